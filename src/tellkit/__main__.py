@@ -1,0 +1,5 @@
+import sys
+
+from tellkit.cli import main
+
+sys.exit(main())

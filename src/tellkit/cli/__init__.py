@@ -1,0 +1,68 @@
+"""The ``tellkit`` command. Subcommands live in ``tellkit/cli/cmd_<name>.py`` and are found
+automatically; each module defines::
+
+    NAME = "model-info"                 # the subcommand
+    HELP = "one line for --help"
+    def add_arguments(parser): ...     # argparse options
+    def run(args) -> int: ...          # heavy imports go inside run()
+
+A :class:`tellkit.errors.TellkitError` raised anywhere becomes a one-line message on stderr
+and exit status 2, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from tellkit import __version__
+from tellkit.errors import TellkitError
+
+
+def _commands():
+    import tellkit.cli as pkg
+
+    mods = []
+    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("cmd_"):
+            mods.append(importlib.import_module(f"tellkit.cli.{info.name}"))
+    return mods
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse's own convention)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tellkit", description="Transformers that write text from images in context.")
+    parser.add_argument("--version", action="version", version=f"tellkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for mod in _commands():
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._run(args) or 0)
+    except TellkitError as exc:
+        print(f"tellkit {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"tellkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Configs: one dataclass per model, YAML run recipes, ``key=value`` overrides.
+
+A run recipe (``configs/**.yaml``) is a mapping with sections, e.g.::
+
+    task: captioning          # which tellkit.tasks entry trains/evaluates it
+    model: {name: transform_and_tell, d_model: 1024, ...}
+    data: {...}
+    train: {...}
+
+A model config alone is also accepted wherever a recipe is (``model:`` may be the whole file).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import typing
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+import yaml
+
+from tellkit.errors import TellkitError
+
+T = TypeVar("T")
+
+CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
+
+
+def resolve_config_path(name: str | os.PathLike) -> Path:
+    """Find a YAML file given a path, or a name relative to the project's ``configs/``."""
+    p = Path(name)
+    candidates = [p]
+    if not p.suffix:
+        candidates.append(p.with_suffix(".yaml"))
+    candidates += [CONFIG_ROOT / c for c in list(candidates)]
+    for c in candidates:
+        if c.is_file():
+            return c
+    if p.is_dir():
+        raise TellkitError(f"{name}: is a directory, expected a YAML config file")
+    raise TellkitError(f"config not found: {name}")
+
+
+def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    path = resolve_config_path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        raise TellkitError(f"{path}: not valid YAML ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise TellkitError(f"{path}: not UTF-8 text") from exc
+    if not isinstance(data, dict):
+        raise TellkitError(f"{path}: expected a mapping at the top level")
+    base = data.pop("base", None)  # simple inheritance: `base: other.yaml`
+    if base is not None:
+        parent = load_yaml(Path(path).parent / base if not Path(base).is_absolute() else base)
+        data = deep_merge(parent, data)
+    return data
+
+
+def deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(a))
+    for k, v in b.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """Turn ``["train.lr=3e-4", "model.d_model=256"]`` into a nested dict (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise TellkitError(f"override '{item}' is not of the form key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Light type coercion for YAML values (lists->tuples, ints->floats, '1e-4'->float)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if value is None:
+        return None
+    if origin is typing.Union or (origin is not None and str(origin) == "types.UnionType"):
+        non_none = [a for a in args if a is not type(None)]
+        return _coerce(value, non_none[0], where) if len(non_none) == 1 else value
+    if origin in (tuple, list) and isinstance(value, (list, tuple)):
+        inner = args[0] if args else Any
+        seq = [_coerce(v, inner, where) for v in value]
+        return tuple(seq) if origin is tuple else seq
+    if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError as exc:
+            raise TellkitError(f"{where}: expected a number, got {value!r}") from exc
+    if tp is int and isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError as exc:
+            raise TellkitError(f"{where}: expected an integer, got {value!r}") from exc
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "config") -> T:
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys with a clear message."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls} is not a dataclass")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise TellkitError(
+            f"{where}: unknown key(s) {', '.join(unknown)} for {cls.__name__}; "
+            f"known: {', '.join(sorted(names))}"
+        )
+    kwargs = {}
+    for k, v in data.items():
+        tp = hints.get(k, Any)
+        if dataclasses.is_dataclass(tp) and isinstance(v, Mapping):
+            kwargs[k] = from_dict(tp, v, f"{where}.{k}")
+        else:
+            kwargs[k] = _coerce(v, tp, f"{where}.{k}")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise TellkitError(f"{where}: {exc}") from exc
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """Dataclass -> plain JSON/YAML-able dict (tuples become lists)."""
+
+    def conv(v: Any) -> Any:
+        if dataclasses.is_dataclass(v):
+            return {f.name: conv(getattr(v, f.name)) for f in dataclasses.fields(v)}
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return conv(obj)

@@ -1,0 +1,40 @@
+"""Tasks bind a model family to its data, batching and evaluation, so that one generic
+training loop (``tellkit.training``) and one ``tellkit evaluate`` serve every model.
+
+A recipe's top-level ``task:`` key names the task; tasks register themselves with
+:func:`register_task` in ``tellkit/tasks/<name>.py`` and are discovered automatically.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from tellkit.errors import TellkitError
+from tellkit.tasks.base import Task
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(name: str):
+    def deco(cls: type[Task]) -> type[Task]:
+        _TASKS[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def _discover() -> None:
+    import tellkit.tasks as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name != "base":
+            importlib.import_module(f"tellkit.tasks.{info.name}")
+
+
+def get_task(name: str) -> type[Task]:
+    if name not in _TASKS:
+        _discover()
+    if name not in _TASKS:
+        raise TellkitError(f"unknown task '{name}'; known: {', '.join(sorted(_TASKS)) or '(none)'}")
+    return _TASKS[name]

@@ -1,0 +1,64 @@
+"""The contract between a model family and the generic trainer / evaluator.
+
+The trainer owns devices, DDP, mixed precision, optimizer steps, checkpoints and logging;
+a Task owns everything specific to one kind of model and data. The model contract is::
+
+    out = model(batch)          # batch: dict of tensors from Task.collate (moved to device)
+    out["loss"]                 # scalar, mean over target tokens
+    out["ntokens"]              # int/tensor, number of target tokens (for logging, tokens/s)
+    model.generate(...)         # task-specific; called only from Task.evaluate / predict
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from torch import nn
+from torch.utils.data import Dataset
+
+
+class Task:
+    """Subclass, decorate with ``@register_task("name")`` and fill in the hooks."""
+
+    name: str = "base"
+
+    def __init__(self, recipe: Mapping[str, Any]):
+        self.recipe = dict(recipe)  # the resolved recipe: task, model, data, train, eval sections
+
+    # --- model -------------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        from tellkit.registry import create_model
+
+        return create_model(self.recipe)
+
+    def param_groups(self, model: nn.Module, lr: float) -> list[dict[str, Any]]:
+        """Optimizer parameter groups. Override for e.g. a higher lr on newly added layers."""
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "lr": lr}]
+
+    # --- data --------------------------------------------------------------------------
+    def build_dataset(self, split: str) -> Dataset:
+        """``split`` in {"train", "val", "test"}; items are whatever ``collate`` accepts."""
+        raise NotImplementedError
+
+    def collate(self, samples: list[Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def batch_sampler(self, dataset: Dataset, split: str, *, shuffle: bool, seed: int, epoch: int) -> Iterable[list[int]] | None:
+        """Optional: lists of indices (e.g. length buckets with a token cap). None = fixed-size batches."""
+        return None
+
+    def sample_size(self, dataset: Dataset, index: int) -> int:
+        """Optional: cost of one sample (tokens/pixels) for bucketing; default 1."""
+        return 1
+
+    # --- evaluation --------------------------------------------------------------------
+    def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """Generate for one collated batch; one dict per sample (must include an 'id')."""
+        raise NotImplementedError
+
+    def score(self, predictions: list[dict[str, Any]]) -> dict[str, float]:
+        """Corpus-level metrics over ALL predictions of a split (gathered across ranks first)."""
+        raise NotImplementedError
+
+    # the metric to select/early-stop on, and whether larger is better
+    monitor: str = "loss"
+    monitor_mode: str = "min"

@@ -1,0 +1,254 @@
+"""CROHME handwritten-expression data: two on-disk layouts, image loading, size-bucketed batches.
+
+Layouts
+* ``tsv`` (the shared data, ``../shared/data/crohme``): ``<image root>/<key>.png`` and a TSV
+  ``<key>\\t<raw LaTeX>`` (CSV quoting: a few labels are quoted and span lines). Raw LaTeX is
+  normalised with :func:`tellkit.data.latex.normalize`.
+* ``caption`` (the BTTR / WAP release): a folder with ``caption.txt`` (``<id>\\t<tokens>``,
+  already tokenized) and the images ``<id>.{bmp,png,jpg}`` in the folder or in ``img/``.
+
+Images become float tensors ``[1, H, W]`` with ink = 1 and background = 0 (so zero padding is
+background). Optionally the ink's bounding box is cropped (the shared renders put every
+expression, scaled to fit, in a 256x256 square; the bitmaps used by the papers are tight
+crops) and the image rescaled. Heights and widths are padded to a multiple of 16 (the
+encoder's stride) so that a batched image gives the same features as the image alone.
+Batches are built as in the reference: sort by image size, fill up to ``batch_size`` images
+while the padded pixels stay under ``max_batch_pixels``.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+from tellkit.data.latex import Vocab, normalize
+from tellkit.errors import TellkitError
+
+STRIDE = 16
+IMAGE_SUFFIXES = (".png", ".bmp", ".jpg", ".jpeg")
+
+
+@dataclass
+class Expression:
+    id: str
+    image: Path
+    tokens: list[str]
+    raw: str = ""
+
+
+# --- label files -----------------------------------------------------------------------------
+def read_tsv_labels(path: str | os.PathLike) -> list[tuple[str, str]]:
+    """``key<TAB>raw LaTeX`` rows (CSV-quoted fields may span lines)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TellkitError(f"label file not found: {p}")
+    csv.field_size_limit(1 << 24)
+    with open(p, encoding="utf-8", newline="") as f:
+        rows = []
+        for n, row in enumerate(csv.reader(f, delimiter="\t"), 1):
+            if not row:
+                continue
+            if len(row) != 2:
+                raise TellkitError(f"{p}: row {n} has {len(row)} fields, expected key<TAB>latex")
+            rows.append((row[0].strip(), row[1].strip()))
+    return rows
+
+
+def read_caption_txt(path: str | os.PathLike) -> list[tuple[str, list[str]]]:
+    """WAP/BTTR ``caption.txt``: ``id<TAB>space separated tokens`` (some releases use spaces only)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TellkitError(f"caption file not found: {p}")
+    out = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("\t", 1) if "\t" in line else line.split(None, 1)
+        out.append((parts[0].strip(), parts[1].split() if len(parts) > 1 else []))
+    return out
+
+
+def load_tsv_split(tsv: str | os.PathLike, image_root: str | os.PathLike) -> list[Expression]:
+    root = Path(image_root)
+    exprs = []
+    for key, raw in read_tsv_labels(tsv):
+        exprs.append(Expression(key, root / f"{key}.png", normalize(raw), raw))
+    return exprs
+
+
+def load_caption_dir(folder: str | os.PathLike) -> list[Expression]:
+    d = Path(folder)
+    caps = read_caption_txt(d / "caption.txt")
+    exprs = []
+    for key, toks in caps:
+        img = _find_image(d, key)
+        exprs.append(Expression(key, img, normalize(" ".join(toks)), " ".join(toks)))
+    return exprs
+
+
+def _find_image(d: Path, key: str) -> Path:
+    for sub in (d, d / "img", d / "images"):
+        for suf in IMAGE_SUFFIXES:
+            if (sub / f"{key}{suf}").is_file():
+                return sub / f"{key}{suf}"
+    raise TellkitError(f"{d}: no image for '{key}' (looked for {key}.png/.bmp/.jpg here and in img/)")
+
+
+def load_split(root: str | os.PathLike, split: str, layout: str = "tsv") -> list[Expression]:
+    """A named split of the shared layout (``train``, ``2014``, ``gt_split/train``,
+    ``gt_split/validation``, or any ``<file>.tsv`` under ``root``), or a caption folder."""
+    r = Path(root)
+    if layout == "caption":
+        return load_caption_dir(r / split if (r / split).is_dir() else r)
+    if layout != "tsv":
+        raise TellkitError(f"unknown CROHME layout '{layout}' (tsv|caption)")
+    if split == "train":
+        return load_tsv_split(r / "groundtruth_train.tsv", r / "train")
+    if split.startswith("gt_split/"):
+        return load_tsv_split(r / f"{split}.tsv", r / "train")
+    if (r / f"groundtruth_{split}.tsv").is_file():
+        return load_tsv_split(r / f"groundtruth_{split}.tsv", r / "test" / split)
+    raise TellkitError(f"{r}: unknown CROHME split '{split}'")
+
+
+# --- images -----------------------------------------------------------------------------------
+def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool = True,
+               scale: float = 1.0, max_side: int = 0) -> torch.Tensor:
+    """Read an image (black ink on white) -> float [1, H, W], ink 1, background 0, padded to /16."""
+    from PIL import Image, UnidentifiedImageError
+
+    if image is None:
+        p = Path(path)
+        if not p.is_file():
+            raise TellkitError(f"image not found: {p}")
+        try:
+            with Image.open(p) as im:
+                image = im.convert("L")
+        except (UnidentifiedImageError, OSError) as exc:
+            raise TellkitError(f"{p}: not a readable image ({exc})") from exc
+    else:
+        image = image.convert("L")
+    a = 1.0 - np.asarray(image, dtype=np.float32) / 255.0
+    if a.size == 0:
+        raise TellkitError(f"{path}: empty image")
+    if crop:
+        ys, xs = np.nonzero(a > 0.1)
+        if len(ys):
+            m = 2
+            a = a[max(ys.min() - m, 0): ys.max() + m + 1, max(xs.min() - m, 0): xs.max() + m + 1]
+    h, w = a.shape
+    f = scale
+    if max_side and max(h, w) * f > max_side:
+        f = max_side / max(h, w)
+    if f != 1.0:
+        nh, nw = max(1, round(h * f)), max(1, round(w * f))
+        a = np.asarray(Image.fromarray((a * 255).astype(np.uint8)).resize((nw, nh), Image.BILINEAR),
+                       dtype=np.float32) / 255.0
+    t = torch.from_numpy(np.ascontiguousarray(a))[None]
+    return pad_to_stride(t)
+
+
+def pad_to_stride(img: torch.Tensor, stride: int = STRIDE) -> torch.Tensor:
+    h, w = img.shape[-2:]
+    ph, pw = (-h) % stride, (-w) % stride
+    return torch.nn.functional.pad(img, (0, pw, 0, ph)) if ph or pw else img
+
+
+# --- dataset and batches ------------------------------------------------------------------------
+class CrohmeDataset(torch.utils.data.Dataset):
+    """Items: ``{"id", "image": [1,H,W], "labels": list[int] (no sos/eos), "tokens"}``."""
+
+    def __init__(self, exprs: Sequence[Expression], vocab: Vocab | None = None, *, crop: bool = True,
+                 scale: float = 1.0, max_side: int = 0, max_pixels: int = 0, max_len: int = 0,
+                 drop_unknown: bool = False):
+        self.vocab = vocab or Vocab()
+        kept = []
+        for e in exprs:
+            if max_len and len(e.tokens) > max_len:
+                continue
+            if drop_unknown and any(t not in self.vocab.stoi for t in e.tokens):
+                continue
+            kept.append(e)
+        self.exprs = kept
+        self.crop, self.scale, self.max_side = crop, scale, max_side
+        self._sizes: list[tuple[int, int]] | None = None
+        self.max_pixels = max_pixels
+        if max_pixels:  # the reference drops images over 320,000 pixels
+            sizes = self.sizes()
+            keep = [i for i, (h, w) in enumerate(sizes) if h * w <= max_pixels]
+            self.exprs = [self.exprs[i] for i in keep]
+            self._sizes = [sizes[i] for i in keep]
+
+    def __len__(self) -> int:
+        return len(self.exprs)
+
+    def image(self, i: int) -> torch.Tensor:
+        return load_image(self.exprs[i].image, crop=self.crop, scale=self.scale, max_side=self.max_side)
+
+    def __getitem__(self, i: int) -> dict:
+        e = self.exprs[i]
+        ids = [self.vocab.stoi.get(t, -1) for t in e.tokens]
+        return {"id": e.id, "image": self.image(i), "labels": ids, "tokens": e.tokens}
+
+    def sizes(self) -> list[tuple[int, int]]:
+        """(H, W) of every prepared image (computed once; reads each image)."""
+        if self._sizes is None:
+            self._sizes = [tuple(self.image(i).shape[-2:]) for i in range(len(self.exprs))]
+        return self._sizes
+
+
+def collate(samples: list[dict], pad_id: int = 0) -> dict:
+    """Pad images (background 0) and labels. ``image_mask`` True = real pixel.
+    Unknown label tokens (-1, test truth outside the vocabulary) are kept only in ``tokens``."""
+    b = len(samples)
+    hs = [s["image"].shape[-2] for s in samples]
+    ws = [s["image"].shape[-1] for s in samples]
+    H, W = max(hs), max(ws)
+    img = torch.zeros(b, 1, H, W)
+    mask = torch.zeros(b, H, W, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        img[i, :, : hs[i], : ws[i]] = s["image"]
+        mask[i, : hs[i], : ws[i]] = True
+    labels = [[t for t in s["labels"] if t >= 0] for s in samples]
+    T = max([len(l) for l in labels] + [1])
+    lab = torch.full((b, T), pad_id, dtype=torch.long)
+    for i, l in enumerate(labels):
+        lab[i, : len(l)] = torch.tensor(l, dtype=torch.long)
+    return {
+        "image": img, "image_mask": mask, "labels": lab,
+        "label_lengths": torch.tensor([len(l) for l in labels], dtype=torch.long),
+        "ids": [s["id"] for s in samples], "tokens": [s["tokens"] for s in samples],
+    }
+
+
+def size_batches(sizes: Sequence[tuple[int, int]], batch_size: int, max_batch_pixels: int,
+                 shuffle: bool = False, seed: int = 0) -> list[list[int]]:
+    """Sort by image size and fill batches while ``n * maxH * maxW <= max_batch_pixels``."""
+    order = sorted(range(len(sizes)), key=lambda i: (sizes[i][0] * sizes[i][1], sizes[i]))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    mh = mw = 0
+    for i in order:
+        h, w = sizes[i]
+        nh, nw = max(mh, h), max(mw, w)
+        if cur and (len(cur) >= batch_size or (max_batch_pixels and (len(cur) + 1) * nh * nw > max_batch_pixels)):
+            batches.append(cur)
+            cur, nh, nw = [], h, w
+        cur.append(i)
+        mh, mw = nh, nw
+    if cur:
+        batches.append(cur)
+    if shuffle:
+        random.Random(seed).shuffle(batches)
+    return batches
+
+
+def iter_batches(ds: CrohmeDataset, batches: Iterable[list[int]]):
+    for idx in batches:
+        yield collate([ds[i] for i in idx], ds.vocab.pad)

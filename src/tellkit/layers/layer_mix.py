@@ -1,0 +1,26 @@
+"""Learned, softmax-normalised weighted sum over an encoder's hidden states.
+
+Transform and Tell (Tran et al. 2020) embeds article token i as sum_l alpha_l g_{l,i} over the
+25 hidden states of RoBERTa-large (embedding output + 24 layers); the reference code keeps one
+free weight per layer and normalises them with a softmax. Zero initialisation = uniform mix.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LayerMix(nn.Module):
+    def __init__(self, num_layers: int):
+        super().__init__()
+        self.num_layers = num_layers
+        self.weights = nn.Parameter(torch.zeros(num_layers))
+
+    def forward(self, hidden: torch.Tensor, layer_dim: int = 1) -> torch.Tensor:
+        """``hidden``: [..., num_layers (at ``layer_dim``), ...] -> same without that dim."""
+        if hidden.size(layer_dim) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} hidden states, got {hidden.size(layer_dim)}")
+        alpha = torch.softmax(self.weights, dim=0).to(hidden.dtype)
+        shape = [1] * hidden.dim()
+        shape[layer_dim] = self.num_layers
+        return (hidden * alpha.view(shape)).sum(dim=layer_dim)

@@ -59,6 +59,10 @@ class Task:
         """Corpus-level metrics over ALL predictions of a split (gathered across ranks first)."""
         raise NotImplementedError
 
-    # the metric to select/early-stop on, and whether larger is better
+    # the metric to select/early-stop on, and whether larger is better ("min" | "max");
+    # a monitor other than "loss" makes validation generate (predict) and score
     monitor: str = "loss"
     monitor_mode: str = "min"
+    # DDP: True when some parameters may get no gradient in a step (unused contexts, adaptive
+    # softmax tails); False is faster for models that always use every parameter
+    ddp_find_unused_parameters: bool = True

@@ -1,0 +1,48 @@
+"""`tellkit train CONFIG [key=value ...] [--out DIR] [--resume]`: the one training loop.
+
+Multi-GPU / multi-process: ``torchrun --nproc_per_node N -m tellkit train CONFIG ...``.
+"""
+from __future__ import annotations
+
+NAME = "train"
+HELP = "train a model from a YAML recipe (key=value overrides, e.g. train.lr=3e-4 model.d_model=256)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", help="YAML recipe (path, or name under configs/ such as tat/small)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides (values parsed as YAML)")
+    p.add_argument("--out", help="run folder (default: runs/<config name>)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--save-every-steps", type=int, default=None, metavar="N", help="also checkpoint every N optimizer steps")
+    p.add_argument("--save-every-minutes", type=float, default=30.0, metavar="M",
+                   help="also checkpoint every M minutes (default 30; 0 = only at evaluations)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+
+
+def run(args) -> int:
+    import json
+    from pathlib import Path
+
+    from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path
+    from tellkit.training.loop import train
+
+    path = resolve_config_path(args.config)
+    recipe = deep_merge(load_yaml(path), parse_overrides(args.overrides))
+    out = Path(args.out) if args.out else Path("runs") / path.stem
+    summary = train(
+        recipe,
+        out,
+        resume=args.resume,
+        device=args.device,
+        save_every_steps=args.save_every_steps,
+        save_every_minutes=args.save_every_minutes or None,
+        progress=not args.no_progress,
+    )
+    import os
+
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(summary, indent=2))
+    if summary["stopped"] == "signal":
+        return 130
+    return 0

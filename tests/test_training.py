@@ -1,0 +1,209 @@
+"""The generic training loop on a toy task: schedule, accumulation, logs, checkpoints, resume."""
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+import toy_task  # noqa: E402  (registers the "toy" task and "toy_lm" model)
+
+from tellkit.errors import TellkitError  # noqa: E402
+from tellkit.training import TrainConfig, train  # noqa: E402
+from tellkit.training import checkpointing  # noqa: E402
+from tellkit.training.config import train_config  # noqa: E402
+from tellkit.training.loop import LRSchedule, epoch_batches  # noqa: E402
+
+
+def weights(run_dir: Path, which: str = "last") -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run_dir) / "checkpoints" / which / "model.safetensors"))
+
+
+def run(recipe, out, **kw):
+    kw.setdefault("progress", False)
+    return train(recipe, out, **kw)
+
+
+def test_defaults_are_the_reference_recipe():
+    c = TrainConfig()
+    assert (c.optimizer, c.lr, c.betas, c.eps, c.weight_decay) == ("adamw", 1e-4, (0.9, 0.98), 1e-6, 1e-5)
+    assert (c.scheduler, c.warmup, c.clip_norm) == ("linear_warmup", 0.05, 0.1)
+    with pytest.raises(TellkitError, match="unknown key"):
+        train_config({"train": {"learning_rate": 1}})
+    with pytest.raises(TellkitError, match="optimizer"):
+        train_config({"train": {"optimizer": "sgd"}})
+    assert train_config({"train": {"lr": "3e-4", "betas": [0.9, 0.999]}}).betas == (0.9, 0.999)
+
+
+def test_linear_warmup_then_linear_decay():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    s = LRSchedule(TrainConfig(lr=1.0, warmup=0.05), opt, total_steps=100, mode="min")
+    lrs = [s.apply(i, 0) for i in range(100)]
+    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0])
+    assert lrs[5] == pytest.approx(1.0) and lrs[62] == pytest.approx(0.4)
+    assert lrs[99] == pytest.approx(1 / 95)
+    step = LRSchedule(TrainConfig(lr=1.0, scheduler="step", step_every_epochs=2, step_gamma=0.5), opt, 10, "min")
+    assert [step.factor(0, e) for e in range(5)] == [1, 1, 0.5, 0.5, 0.25]
+    plat = LRSchedule(TrainConfig(lr=1.0, scheduler="plateau", plateau_patience=1, plateau_factor=0.1), opt, 10, "max")
+    for v in (1.0, 0.5, 0.5):
+        plat.on_eval(v)
+    assert plat.factor(0, 0) == pytest.approx(0.1)
+
+
+def test_trains_logs_and_saves(tmp_path):
+    r = toy_task.recipe(max_epochs=6)
+    summary = run(r, tmp_path / "run")
+    rows = list(csv.DictReader(open(tmp_path / "run" / "train_log.csv")))
+    assert len(rows) == summary["steps"] == 6 * 6  # 24 samples / batch 4
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    evals = [r for r in csv.DictReader(open(tmp_path / "run" / "eval_log.csv")) if r["metric"] == "loss"]
+    assert len(evals) == 6
+    saved = yaml_load(tmp_path / "run" / "config.yaml")
+    assert saved["train"]["betas"] == [0.9, 0.98] and saved["train"]["lr"] == 0.05  # defaults resolved
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "best" / "config.json").read_text())
+    assert meta["task"] == "toy" and meta["family"] == "toy_lm" and meta["train"]["max_epochs"] == 6
+    assert (tmp_path / "run" / "tensorboard").is_dir()
+    with pytest.raises(TellkitError, match="already holds a run"):
+        run(r, tmp_path / "run")
+
+
+def yaml_load(p):
+    import yaml
+
+    return yaml.safe_load(Path(p).read_text())
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    """batch 8 x 1 micro-batch == batch 4 x 2 micro-batches (token-weighted), same samples."""
+    big = toy_task.recipe(batch_size=8, max_steps=1, clip_norm=0.0)
+    small = toy_task.recipe(batch_size=4, accumulate=2, max_steps=1, clip_norm=0.0)
+    for r in (big, small):
+        r["model"]["dropout"] = 0.0
+    run(big, tmp_path / "big")
+    run(small, tmp_path / "small")
+    a, b = weights(tmp_path / "big"), weights(tmp_path / "small")
+    init = toy_task.ToyLM(toy_task.ToyConfig(dropout=0.0))
+    assert any(not torch.equal(a[k], v) for k, v in init.state_dict().items())  # it did move
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-6, atol=1e-7)
+    ga, gb = (next(csv.DictReader(open(tmp_path / d / "train_log.csv")))["grad_norm"] for d in ("big", "small"))
+    assert float(ga) == pytest.approx(float(gb), rel=1e-6)
+
+
+def test_samples_per_epoch_streams_over_passes():
+    task = toy_task.ToyTask(toy_task.recipe())
+    ds = task.build_dataset("train")  # 24 samples
+    cfg = TrainConfig(batch_size=4, samples_per_epoch=16)
+    e0, e1, e2 = (epoch_batches(task, ds, cfg, e, 1) for e in range(3))
+    assert len(e0) == len(e1) == len(e2) == 4
+    flat = [i for b in e0 + e1 + e2 for i in b]
+    assert sorted(flat[:24]) == list(range(24))  # the first pass is used up before the second
+
+
+def test_resume_after_crash_gives_identical_weights(tmp_path):
+    """A crash at step 9 of 12, resumed from the step-8 checkpoint, ends like an unbroken run
+    (dropout on: the RNG state is part of the checkpoint; an epoch boundary with validation lies
+    between the checkpoint and the end)."""
+    r = toy_task.recipe(max_epochs=2)  # 6 steps per epoch
+    run(r, tmp_path / "full", save_every_steps=4)
+
+    crashing = toy_task.ToyTask(r)
+    crashing.crash_after_batches = 6 + 2 + 2  # epoch 0 (6 train + 2 val batches), then steps 7, 8
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(r, tmp_path / "broken", task=crashing, save_every_steps=4)
+    state = json.loads((tmp_path / "broken" / "checkpoints" / "last" / "trainer_state.json").read_text())
+    assert (state["step"], state["epoch"], state["pos"]) == (8, 1, 2)
+    summary = run(r, tmp_path / "broken", resume=True, save_every_steps=4)
+    assert summary["steps"] == 12
+    a, b = weights(tmp_path / "full"), weights(tmp_path / "broken")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # the CSV log was cut back to the resumed step, so no step appears twice
+    steps = [int(x["step"]) for x in csv.DictReader(open(tmp_path / "broken" / "train_log.csv"))]
+    assert steps == list(range(1, 13))
+
+
+def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    r = toy_task.recipe(max_epochs=1)
+    real = checkpointing.save_optimizer
+    calls = {"n": 0}
+
+    def flaky(opt, directory):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            (directory / "optimizer.safetensors").write_bytes(b"half a fi")
+            raise OSError("disk full")
+        real(opt, directory)
+
+    monkeypatch.setattr(checkpointing, "save_optimizer", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        run(r, tmp_path / "run", save_every_steps=2)
+    ck = tmp_path / "run" / "checkpoints"
+    assert (ck / "last").resolve().name == "step_00000002"
+    assert (ck / "step_00000004.tmp").is_dir()  # the half-written state never got the final name
+    monkeypatch.setattr(checkpointing, "save_optimizer", real)
+    summary = run(r, tmp_path / "run", resume=True, save_every_steps=2)
+    assert summary["steps"] == 6
+    assert not list(ck.glob("*.tmp"))
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000006"]
+
+
+def test_early_stopping_on_a_max_metric(tmp_path):
+    r = toy_task.recipe(max_epochs=20, patience=2)
+
+    class Worse(toy_task.ToyTask):
+        monitor, monitor_mode = "accuracy", "max"
+        calls = 0
+
+        def score(self, predictions):
+            Worse.calls += 1
+            assert len(predictions) == 7  # the whole val split, once
+            return {"accuracy": 1.0 / Worse.calls}
+
+    s = run(r, tmp_path / "run", task=Worse(r))
+    assert s["stopped"] == "early_stopping" and s["epochs"] == 3 and s["best_step"] == 6
+    assert (tmp_path / "run" / "checkpoints" / "best").resolve().name == "step_00000006"
+
+
+def test_optimizer_state_round_trip_without_pickle(tmp_path):
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    checkpointing.save_optimizer(opt, tmp_path)
+    opt2 = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())], lr=0.1)
+    checkpointing.load_optimizer(opt2, tmp_path)
+    a, b = opt.state_dict(), opt2.state_dict()
+    for k in a["state"][0]:
+        assert torch.equal(a["state"][0][k], b["state"][0][k])
+    assert a["param_groups"][0]["betas"] == tuple(b["param_groups"][0]["betas"])
+
+
+def test_cli_train_then_evaluate(tmp_path, capsys):
+    import yaml
+
+    from tellkit.cli import main
+
+    cfg = tmp_path / "toy.yaml"
+    cfg.write_text(yaml.safe_dump(toy_task.recipe(max_epochs=1)))
+    out = tmp_path / "run"
+    assert main(["train", str(cfg), "train.max_epochs=2", "data.val=5", "--out", str(out), "--no-progress"]) == 0
+    assert yaml_load(out / "config.yaml")["train"]["max_epochs"] == 2
+    assert main(["evaluate", str(out), "data.test=3", "--split", "test", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads(printed[printed.rfind('{\n  "split"'):])
+    assert res["n"] == 3 and 0.0 <= res["metrics"]["accuracy"] <= 1.0 and res["metrics"]["loss"] > 0
+    lines = (out / "eval" / "predictions_test.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[0])["id"].startswith("s2-")
+    assert json.loads((out / "eval" / "metrics_test.json").read_text())["metrics"] == res["metrics"]
+    # bad input: one line, exit 2
+    assert main(["evaluate", str(tmp_path / "nope"), "--split", "test"]) == 2
+    assert main(["train", str(cfg), "train.optimizer=sgd", "--out", str(tmp_path / "r2")]) == 2
+    assert "train.optimizer must be one of" in capsys.readouterr().err

@@ -1,0 +1,407 @@
+"""VG-BART / VG-T5: vision-guided generative pre-trained language models for multimodal
+abstractive summarization (Yu, Dai, Liu, Fung, EMNLP 2021).
+
+A Hugging Face BART or T5 (``backbone``: hub name or local folder) is kept intact; text-vision
+fusion sub-layers (``tellkit.layers.fusion``: dot-product, its projected-video variant, or
+multi-head; optional forget gate; residual + LayerNorm) are inserted after chosen encoder (and
+optionally decoder) layers through PyTorch forward hooks on the backbone's public layer lists
+(``get_encoder().layers`` / ``.block``), so no HF source is copied or edited. Video features
+[B, M, 2048] may first pass an optional visual transformer encoder (VTF: 4 layers, 8 heads,
+FFN 2048, sinusoidal positions; ~100.7M parameters at d = 2048).
+
+Differences from the paper / reference code (HLTCHKUST/VG-GPLMs):
+- the fusion softmax runs over video frames with padded frames masked (paper's equations; the
+  reference normalises over text positions and has no mask);
+- for T5 "after encoder layer i" means after block i, i.e. before T5's final encoder LayerNorm;
+- ``fusion: none`` (or a batch without video on ``fusion_enabled = False``) is the text-only
+  BART/T5 baseline and reproduces the plain backbone exactly;
+- beam search is HF ``generate`` (beam 5, 64 new tokens, no repeated trigram by default).
+
+Shapes: ``input_ids``/``attention_mask`` [B, L], ``labels`` [B, T] (-100 = ignore),
+``video`` [B, M, video_dim], ``video_mask`` [B, M] (True = real frame).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tellkit.checkpoint import PretrainedMixin
+from tellkit.errors import TellkitError
+from tellkit.layers.fusion import FUSIONS, FusionBlock
+from tellkit.layers.positional import SinusoidalPositions
+from tellkit.registry import register_model
+
+log = logging.getLogger(__name__)
+
+# Architecture facts of the two published backbones, so that `tellkit model-info` can count
+# parameters offline (no weights involved); used only when no local folder or HF cache has them.
+KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
+    "facebook/bart-base": dict(
+        model_type="bart", vocab_size=50265, d_model=768, encoder_layers=6, decoder_layers=6,
+        encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072,
+        max_position_embeddings=1024, activation_function="gelu", pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, forced_bos_token_id=0, forced_eos_token_id=2,
+        scale_embedding=False,
+    ),
+    "t5-base": dict(
+        model_type="t5", vocab_size=32128, d_model=768, d_kv=64, d_ff=3072, num_layers=12,
+        num_decoder_layers=12, num_heads=12, relative_attention_num_buckets=32, dropout_rate=0.1,
+        layer_norm_epsilon=1e-6, feed_forward_proj="relu", pad_token_id=0, eos_token_id=1,
+        decoder_start_token_id=0, tie_word_embeddings=True,
+    ),
+}
+KNOWN_BACKBONES["google-t5/t5-base"] = KNOWN_BACKBONES["t5-base"]
+
+
+@dataclass
+class VGGPLMConfig:
+    backbone: str = "facebook/bart-base"  # HF hub name or local folder (BART or T5)
+    backbone_config: dict[str, Any] | None = None  # the HF config, filled in when first built
+    fusion: str = "multi_head"  # none | dot_product | dot_product_projected | multi_head
+    fusion_layers: tuple[int, ...] = (-1,)  # encoder layers to fuse after (negative = from the end)
+    decoder_fusion_layers: tuple[int, ...] = ()  # decoder layers to fuse after
+    fusion_dim: int | None = None  # multi-head common dim d_c (None = d_model)
+    fusion_heads: int = 4
+    forget_gate: bool = False
+    video_dim: int = 2048
+    max_frames: int = 256
+    visual_encoder: bool = False  # VTF over the video features before fusion
+    vtf_layers: int = 4
+    vtf_heads: int = 8
+    vtf_ffn: int = 2048
+    dropout: float = 0.1  # fusion and VTF dropout
+    new_layer_lr_scale: float = 5.0  # the summarization task's lr factor for fusion/VTF parameters
+
+    def __post_init__(self) -> None:
+        if self.fusion not in ("none", *FUSIONS):
+            raise TellkitError(f"model.fusion must be one of none, {', '.join(FUSIONS)}; got {self.fusion!r}")
+        if self.fusion == "none" and (self.forget_gate or self.visual_encoder):
+            raise TellkitError("model.forget_gate / visual_encoder need a fusion (model.fusion is 'none')")
+        self.fusion_layers = tuple(int(i) for i in self.fusion_layers)
+        self.decoder_fusion_layers = tuple(int(i) for i in self.decoder_fusion_layers)
+
+
+# --- backbone resolution -------------------------------------------------------------------
+def backbone_hf_config(cfg: VGGPLMConfig):
+    """The backbone's HF config: from ``cfg.backbone_config`` if set, else from the local folder,
+    the HF cache, the built-in table of known architectures, or the hub (in that order)."""
+    transformers = _transformers()
+    if cfg.backbone_config:
+        d = dict(cfg.backbone_config)
+        mt = d.pop("model_type", None)
+        if mt not in ("bart", "t5"):
+            raise TellkitError(f"model.backbone_config: model_type must be 'bart' or 't5', got {mt!r}")
+        return transformers.AutoConfig.for_model(mt, **d)
+    name = cfg.backbone
+    local = Path(os.path.expanduser(name))
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise TellkitError(f"{local}: not a Hugging Face model folder (no config.json)")
+        hf = transformers.AutoConfig.from_pretrained(str(local))
+    else:
+        try:
+            hf = transformers.AutoConfig.from_pretrained(name, local_files_only=True)
+        except (OSError, ValueError):
+            if name in KNOWN_BACKBONES:
+                d = dict(KNOWN_BACKBONES[name])
+                log.info("backbone %s: architecture from tellkit's table (no local copy)", name)
+                return transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+            try:
+                hf = transformers.AutoConfig.from_pretrained(name)
+            except (OSError, ValueError) as exc:
+                raise TellkitError(f"backbone '{name}' is neither a local folder nor reachable on the HF hub ({exc})") from exc
+    if hf.model_type not in ("bart", "t5"):
+        raise TellkitError(f"backbone {name}: model_type '{hf.model_type}' is not supported (bart or t5)")
+    return hf
+
+
+def _transformers():
+    from tellkit.utils.optional import require
+
+    return require("transformers", "all", "VG-BART / VG-T5 backbones")
+
+
+def _config_to_dict(hf) -> dict[str, Any]:
+    d = hf.to_dict()
+    for k in ("transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype"):
+        d.pop(k, None)
+    return json.loads(json.dumps(d, default=str))  # plain JSON values only
+
+
+# --- visual transformer encoder ------------------------------------------------------------
+class VisualTransformerEncoder(nn.Module):
+    """Post-norm transformer encoder over video features, with sinusoidal frame positions."""
+
+    def __init__(self, dim: int, layers: int = 4, heads: int = 8, ffn: int = 2048, dropout: float = 0.1):
+        super().__init__()
+        self.positions = SinusoidalPositions(dim)
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, heads, ffn, dropout, activation="relu", batch_first=True)
+            for _ in range(layers)
+        )
+
+    def forward(self, video: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(video + self.positions(video.size(1)).to(video.dtype))
+        # a sample with no real frame would give NaN rows: let it attend to its padding (its
+        # fusion context is zeroed anyway by the masked softmax)
+        pad = ~(mask | ~mask.any(-1, keepdim=True))
+        for layer in self.layers:
+            x = layer(x, src_key_padding_mask=pad)
+        return x
+
+
+# --- the model -----------------------------------------------------------------------------
+@register_model("vg_gplm", VGGPLMConfig)
+class VGGPLM(nn.Module, PretrainedMixin):
+    """HF BART/T5 + text-vision fusion. ``model(batch) -> {"loss", "ntokens", "logits"}``."""
+
+    def __init__(self, config: VGGPLMConfig):
+        super().__init__()
+        transformers = _transformers()
+        hf_cfg = backbone_hf_config(config)
+        config.backbone_config = _config_to_dict(hf_cfg)  # the checkpoint rebuilds without the folder
+        self.config = config
+        self.backbone = transformers.AutoModelForSeq2SeqLM.from_config(hf_cfg)
+        self.is_t5 = hf_cfg.model_type == "t5"
+        d_model = hf_cfg.d_model
+        enc, dec = self._layers("encoder"), self._layers("decoder")
+        self.fusion_enabled = True
+        self._ctx: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.visual_encoder = None
+        self.encoder_fusion = nn.ModuleDict()
+        self.decoder_fusion = nn.ModuleDict()
+        if config.fusion != "none":
+            if config.visual_encoder:
+                self.visual_encoder = VisualTransformerEncoder(
+                    config.video_dim, config.vtf_layers, config.vtf_heads, config.vtf_ffn, config.dropout
+                )
+            eps = getattr(hf_cfg, "layer_norm_epsilon", 1e-5)
+            for where, layers, wanted, blocks in (
+                ("encoder", enc, config.fusion_layers, self.encoder_fusion),
+                ("decoder", dec, config.decoder_fusion_layers, self.decoder_fusion),
+            ):
+                for i in sorted({self._norm_index(i, len(layers), where) for i in wanted}):
+                    blocks[str(i)] = FusionBlock(
+                        config.fusion, d_model, config.video_dim, d_common=config.fusion_dim,
+                        heads=config.fusion_heads, dropout=config.dropout, forget_gate=config.forget_gate, eps=eps,
+                    )
+                    layers[i].register_forward_hook(self._make_hook(blocks[str(i)]))
+            if not len(self.encoder_fusion) and not len(self.decoder_fusion):
+                raise TellkitError("model.fusion is set but no fusion_layers / decoder_fusion_layers are given")
+
+    # -- structure ---------------------------------------------------------------------------
+    def _layers(self, where: str) -> nn.ModuleList:
+        stack = self.backbone.get_encoder() if where == "encoder" else self.backbone.get_decoder()
+        return stack.block if self.is_t5 else stack.layers
+
+    @staticmethod
+    def _norm_index(i: int, n: int, where: str) -> int:
+        if not -n <= i < n:
+            raise TellkitError(f"{where} fusion layer {i} is out of range for a {n}-layer {where}")
+        return i % n
+
+    def new_parameters(self) -> Iterator[nn.Parameter]:
+        """Parameters that are not the pre-trained backbone's (fusion layers and the VTF)."""
+        for name, p in self.named_parameters():
+            if not name.startswith("backbone."):
+                yield p
+
+    def parameter_breakdown(self) -> dict[str, int]:
+        def count(m: nn.Module | None) -> int:
+            return 0 if m is None else sum(p.numel() for p in m.parameters())
+
+        out = {
+            "backbone": count(self.backbone),
+            "visual_encoder": count(self.visual_encoder),
+            "encoder_fusion": count(self.encoder_fusion),
+            "decoder_fusion": count(self.decoder_fusion),
+        }
+        out["add_on"] = out["visual_encoder"] + out["encoder_fusion"] + out["decoder_fusion"]
+        return out
+
+    # -- fusion context (read by the hooks) ---------------------------------------------------
+    def _make_hook(self, block: FusionBlock):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self._ctx is None or not self.fusion_enabled:
+                return None
+            hidden = output[0] if isinstance(output, tuple) else output
+            video, mask = self._ctx
+            if video.size(0) != hidden.size(0):  # beam search: each sample repeated contiguously
+                if hidden.size(0) % video.size(0):
+                    raise RuntimeError(f"fusion: batch {hidden.size(0)} is not a multiple of {video.size(0)} videos")
+                r = hidden.size(0) // video.size(0)
+                video, mask = video.repeat_interleave(r, 0), mask.repeat_interleave(r, 0)
+            fused = block(hidden, video.to(hidden.dtype), mask)
+            return (fused, *output[1:]) if isinstance(output, tuple) else fused
+
+        return hook
+
+    @contextlib.contextmanager
+    def video_context(self, batch: dict[str, Any]):
+        """Make the batch's (encoded) video visible to the fusion hooks for one forward/generate."""
+        needs = self.fusion_enabled and (len(self.encoder_fusion) or len(self.decoder_fusion))
+        if not needs:
+            yield
+            return
+        video = batch.get("video")
+        if video is None:
+            raise TellkitError("this VG-GPLM model fuses video: the batch needs 'video' features (or use fusion: none)")
+        if video.size(-1) != self.config.video_dim:
+            raise TellkitError(f"video features have size {video.size(-1)}, the model expects {self.config.video_dim}")
+        mask = batch.get("video_mask")
+        if mask is None:
+            mask = torch.ones(video.shape[:2], dtype=torch.bool, device=video.device)
+        mask = mask.bool()
+        video = video.float()
+        if self.visual_encoder is not None:
+            video = self.visual_encoder(video, mask)
+        self._ctx = (video, mask)
+        try:
+            yield
+        finally:
+            self._ctx = None
+
+    # -- training -----------------------------------------------------------------------------
+    def forward(self, batch: dict[str, Any]) -> dict[str, Any]:
+        labels = batch["labels"]
+        dec_in = self.backbone.prepare_decoder_input_ids_from_labels(labels=labels)
+        with self.video_context(batch):
+            out = self.backbone(
+                input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), decoder_input_ids=dec_in
+            )
+        logits = out.logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
+        return {"loss": loss, "ntokens": (labels != -100).sum(), "logits": logits}
+
+    # -- decoding -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        batch: dict[str, Any],
+        max_len: int = 64,
+        beam_size: int = 5,
+        no_repeat_ngram_size: int = 3,
+        length_penalty: float = 1.0,
+        min_len: int = 0,
+    ) -> dict[str, Any]:
+        """Beam search through HF ``generate``; ``tokens``: ids per sample without the decoder
+        start, bos, eos or padding."""
+        gen_cfg = copy.deepcopy(self.backbone.generation_config)
+        gen_cfg.update(
+            num_beams=beam_size, max_new_tokens=max_len, min_new_tokens=min_len, max_length=None,
+            no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty, do_sample=False,
+            early_stopping=True, num_return_sequences=1, output_scores=False, return_dict_in_generate=False,
+        )
+        with self.video_context(batch):
+            seqs = self.backbone.generate(
+                input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), generation_config=gen_cfg
+            )
+        hf = self.backbone.config
+        drop = {getattr(hf, k, None) for k in ("pad_token_id", "bos_token_id", "decoder_start_token_id")} - {None}
+        eos = getattr(hf, "eos_token_id", None)
+        tokens = []
+        for row in seqs.tolist():
+            row = row[1:]  # decoder start
+            if eos in row:
+                row = row[: row.index(eos)]
+            tokens.append([t for t in row if t not in drop])
+        return {"tokens": tokens}
+
+    # -- weights and tokenizer ----------------------------------------------------------------
+    def load_backbone_weights(self) -> None:
+        """Copy the pre-trained backbone's weights (from its folder or the HF hub) into the model."""
+        transformers = _transformers()
+        try:
+            hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(self.config.backbone)
+        except (OSError, ValueError) as exc:
+            raise TellkitError(f"cannot load backbone weights from '{self.config.backbone}' ({exc})") from exc
+        missing, unexpected = self.backbone.load_state_dict(hf.state_dict(), strict=False)
+        if unexpected or [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]:
+            raise TellkitError(f"backbone '{self.config.backbone}' does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+    def save_pretrained(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None, tokenizer: Any = None) -> Path:
+        """Checkpoint (config.json + model.safetensors); with ``tokenizer``, also ``tokenizer/``."""
+        d = super().save_pretrained(directory, extra)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(Path(d) / "tokenizer"))
+        return d
+
+
+def load_tokenizer(source: str | os.PathLike, checkpoint: str | os.PathLike | None = None):
+    """The tokenizer saved beside a checkpoint (``<ckpt>/tokenizer``) or the backbone's."""
+    transformers = _transformers()
+    candidates = []
+    if checkpoint is not None and (Path(checkpoint) / "tokenizer").is_dir():
+        candidates.append(str(Path(checkpoint) / "tokenizer"))
+    candidates.append(str(source))
+    errors = []
+    for c in candidates:
+        try:
+            return transformers.AutoTokenizer.from_pretrained(c)
+        except (OSError, ValueError) as exc:
+            errors.append(f"{c}: {exc}")
+    raise TellkitError("no tokenizer found (" + "; ".join(errors) + ")")
+
+
+# --- tiny backbones for tests and demos (no weights exist offline) ---------------------------
+def save_tiny_backbone(
+    directory: str | os.PathLike,
+    kind: str = "bart",
+    texts: Sequence[str] = (),
+    *,
+    d_model: int = 16,
+    layers: int = 2,
+    heads: int = 2,
+    ffn: int = 32,
+    max_positions: int = 600,
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised tiny BART or T5 and a word-level tokenizer trained on
+    ``texts`` to ``directory`` (HF ``save_pretrained`` layout), usable as ``model.backbone``."""
+    transformers = _transformers()
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    if kind == "bart":
+        specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    elif kind == "t5":
+        specials = ["<pad>", "</s>", "<unk>"]
+    else:
+        raise TellkitError(f"tiny backbone kind must be 'bart' or 't5', got {kind!r}")
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.train_from_iterator(list(texts) or ["hello world"], trainers.WordLevelTrainer(special_tokens=specials))
+    if kind == "bart":
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+        )
+        cfg = transformers.BartConfig(
+            vocab_size=tok.get_vocab_size(), d_model=d_model, encoder_layers=layers, decoder_layers=layers,
+            encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
+            max_position_embeddings=max_positions, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+            decoder_start_token_id=2, forced_bos_token_id=0, forced_eos_token_id=2,
+        )
+    else:
+        tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+        cfg = transformers.T5Config(
+            vocab_size=tok.get_vocab_size(), d_model=d_model, d_kv=d_model // heads, d_ff=ffn, num_layers=layers,
+            num_decoder_layers=layers, num_heads=heads, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+        )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(cfg)
+    d = Path(directory)
+    model.save_pretrained(str(d))
+    fast.save_pretrained(str(d))
+    return d

@@ -1,0 +1,319 @@
+"""BTTR: handwritten mathematical expression recognition with a bidirectionally trained transformer.
+
+Zhao, Gao, Yan, Wang, ICDAR 2021 (reference code: Green-Wood/BTTR). Read top to bottom:
+DenseNet-B encoder -> 1x1 conv to d_model (+ReLU, LayerNorm) -> 2-D normalised sinusoidal image
+positions -> 3-layer post-LN transformer decoder trained on left-to-right and right-to-left
+copies of every target at once -> approximate joint search (``tellkit.decoding.joint_search``).
+
+What differs from the reference
+* The encoder zeroes padded pixels before every convolution when a batch has padding, and
+  images are padded to a multiple of 16 (``tellkit.data.crohme``): a batched image then gets
+  exactly the features it gets alone, so batched search equals one-by-one search.
+* Decoding keeps a key/value cache per layer (the reference recomputes every prefix) and
+  runs batched over images and beams; ``use_cache=False`` gives the reference's recomputation.
+* Length normalisation in the joint search divides by the number of predicted tokens
+  (hypothesis + end token).
+
+Token conventions (``tellkit.data.latex.Vocab``): ``<pad>`` = 0, ``<sos>`` = 1, ``<eos>`` = 2.
+Left-to-right: ``<sos> y1..yT`` predicts ``y1..yT <eos>``; right-to-left: ``<eos> yT..y1``
+predicts ``yT..y1 <sos>``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tellkit.checkpoint import PretrainedMixin
+from tellkit.layers.attention import MultiheadAttention, causal_mask
+from tellkit.layers.positional import SinusoidalPositions
+from tellkit.registry import register_model
+
+PAD, SOS, EOS = 0, 1, 2
+
+
+@dataclass
+class BTTRConfig:
+    vocab_size: int = 113  # 110 symbols + <pad>, <sos>, <eos>
+    # encoder (DenseNet-B)
+    in_channels: int = 1
+    growth_rate: int = 24
+    num_blocks: int = 3
+    block_depth: int = 16
+    stem_channels: int = 48
+    compression: float = 0.5
+    encoder_dropout: float = 0.2
+    # decoder
+    d_model: int = 256
+    nhead: int = 8
+    num_decoder_layers: int = 3
+    dim_feedforward: int = 1024
+    dropout: float = 0.3
+    # search
+    beam_size: int = 10
+    max_len: int = 200
+    alpha: float = 1.0  # length normalisation exponent
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder: DenseNet-B
+# ---------------------------------------------------------------------------------------------
+def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero padded pixels (mask [B, H, W], True = real) so convolutions see background there."""
+    return x if mask is None else x * mask[:, None].to(x.dtype)
+
+
+class Bottleneck(nn.Module):
+    """BN-ReLU-1x1 conv (4k) - BN-ReLU-3x3 conv (k), dropout; output concatenated to the input."""
+
+    def __init__(self, cin: int, growth: int, dropout: float):
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(cin)
+        self.conv1 = nn.Conv2d(cin, 4 * growth, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(4 * growth)
+        self.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        h = self.conv1(F.relu(self.bn1(x)))  # 1x1: pointwise, padding cannot leak in
+        h = self.conv2(_masked(F.relu(self.bn2(h)), mask))
+        return torch.cat([x, _masked(self.drop(h), mask)], 1)
+
+
+class Transition(nn.Module):
+    """BN-ReLU-1x1 conv (compression) - 2x2 average pool."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(cin)
+        self.conv = nn.Conv2d(cin, cout, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return F.avg_pool2d(_masked(self.conv(F.relu(self.bn(x))), mask), 2, ceil_mode=True)
+
+
+class DenseNetB(nn.Module):
+    """[B, 1, H, W] -> [B, 684, H/16, W/16] (with the defaults), and the mask at that scale."""
+
+    def __init__(self, c: BTTRConfig):
+        super().__init__()
+        k = c.growth_rate
+        self.stem = nn.Conv2d(c.in_channels, c.stem_channels, 7, stride=2, padding=3, bias=False)
+        self.stem_bn = nn.BatchNorm2d(c.stem_channels)
+        ch = c.stem_channels
+        self.blocks = nn.ModuleList()
+        self.transitions = nn.ModuleList()
+        for b in range(c.num_blocks):
+            self.blocks.append(nn.ModuleList(Bottleneck(ch + i * k, k, c.encoder_dropout) for i in range(c.block_depth)))
+            ch += c.block_depth * k
+            if b < c.num_blocks - 1:
+                out = int(math.floor(ch * c.compression))
+                self.transitions.append(Transition(ch, out))
+                ch = out
+        self.out_channels = ch
+        self.post_bn = nn.BatchNorm2d(ch)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        full = mask is None or bool(mask.all())
+        m = None if full else mask
+        x = self.stem(_masked(x, m))
+        mask = mask[:, 0::2, 0::2] if mask is not None else None
+        m = None if full else mask
+        x = F.max_pool2d(_masked(F.relu(self.stem_bn(x)), m), 2, ceil_mode=True)
+        mask = mask[:, 0::2, 0::2] if mask is not None else None
+        m = None if full else mask
+        for b, block in enumerate(self.blocks):
+            x = _masked(x, m)
+            for layer in block:
+                x = layer(x, m)
+            if b < len(self.transitions):
+                x = self.transitions[b](x, m)
+                mask = mask[:, 0::2, 0::2] if mask is not None else None
+                m = None if full else mask
+        if mask is None:
+            mask = torch.ones(x.shape[0], x.shape[2], x.shape[3], dtype=torch.bool, device=x.device)
+        return F.relu(self.post_bn(x)), mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Positional encodings
+# ---------------------------------------------------------------------------------------------
+def sinusoid(pos: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
+    """Sinusoidal encoding of fractional positions: [...] -> [..., dim] (sin | cos). (Words use
+    the shared integer-position table, :mod:`tellkit.layers.positional`.)"""
+    freqs = temperature ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)
+    ang = pos.float()[..., None] * freqs
+    return torch.cat([ang.sin(), ang.cos()], -1)
+
+
+def image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
+    """2-D normalised encoding [B, H, W, d]: x' = x / W_real, y' = y / H_real, scaled by 2*pi,
+    each encoded with d/2 dimensions and concatenated. Positions count only real pixels."""
+    m = mask.float()
+    y = m.cumsum(1)
+    x = m.cumsum(2)
+    y = y / (y[:, -1:, :] + 1e-6) * 2 * math.pi
+    x = x / (x[:, :, -1:] + 1e-6) * 2 * math.pi
+    return torch.cat([sinusoid(x, d_model // 2), sinusoid(y, d_model // 2)], -1)
+
+
+class Encoder(nn.Module):
+    def __init__(self, c: BTTRConfig):
+        super().__init__()
+        self.densenet = DenseNetB(c)
+        self.proj = nn.Conv2d(self.densenet.out_channels, c.d_model, 1)
+        self.norm = nn.LayerNorm(c.d_model)
+        self.d_model = c.d_model
+
+    def forward(self, image: torch.Tensor, image_mask: torch.Tensor | None = None):
+        """-> memory [B, h*w, d], memory_mask [B, h*w] (True = real)."""
+        feat, mask = self.densenet(image, image_mask)
+        feat = F.relu(self.proj(feat)).permute(0, 2, 3, 1)  # [B, h, w, d]
+        feat = self.norm(feat) + image_positions(mask, self.d_model)
+        b = feat.shape[0]
+        return feat.reshape(b, -1, self.d_model), mask.reshape(b, -1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoder with key/value caching
+# ---------------------------------------------------------------------------------------------
+class DecoderLayer(nn.Module):
+    """Post-LN: x = LN(x + SelfAttn(x)); x = LN(x + CrossAttn(x, memory)); x = LN(x + FFN(x))."""
+
+    def __init__(self, c: BTTRConfig):
+        super().__init__()
+        d = c.d_model
+        self.self_attn = MultiheadAttention(d, c.nhead, dropout=c.dropout)
+        self.cross_attn = MultiheadAttention(d, c.nhead, dropout=c.dropout)
+        self.ff = nn.Sequential(nn.Linear(d, c.dim_feedforward), nn.ReLU(), nn.Dropout(c.dropout),
+                                nn.Linear(c.dim_feedforward, d))
+        self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x, memory, memory_mask, cache: dict | None = None):
+        """x [N, L, d]; memory [N, S, d], memory_mask [N, S] True = real.
+        ``cache``: {"self": incremental self-attention state, "memory": projected memory}."""
+        if cache is None:  # full sequence, causal
+            h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device))
+            kv = self.cross_attn.project_kv(memory, key_padding_mask=~memory_mask)
+        else:  # only the newest position(s); earlier keys/values come from the cache
+            start = cache["self"]["k"].shape[2] if "k" in cache.setdefault("self", {}) else 0
+            h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device, offset=start), cache=cache["self"])
+            if "memory" not in cache:  # memory keys/values projected once per search
+                cache["memory"] = self.cross_attn.project_kv(memory, key_padding_mask=~memory_mask)
+            kv = cache["memory"]
+        x = self.norm1(x + self.drop(h))
+        x = self.norm2(x + self.drop(self.cross_attn.attend(x, kv)[0]))
+        return self.norm3(x + self.drop(self.ff(x)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, c: BTTRConfig):
+        super().__init__()
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.embed_norm = nn.LayerNorm(c.d_model)
+        self.positions = SinusoidalPositions(c.d_model)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_decoder_layers))
+        self.out = nn.Linear(c.d_model, c.vocab_size)
+
+    def forward(self, tokens, memory, memory_mask, cache: list | None = None, start: int = 0):
+        """tokens [N, L] at positions start..start+L-1 -> logits [N, L, V]."""
+        x = self.embed_norm(self.embed(tokens)) + self.positions(tokens.shape[1], start).to(tokens.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, memory, memory_mask, None if cache is None else cache[i])
+        return self.out(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+def bidirectional_targets(labels: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [B, T] (no sos/eos, PAD-padded) -> decoder inputs and targets [2B, T+1]:
+    rows 0..B-1 left-to-right, rows B..2B-1 right-to-left."""
+    b, t = labels.shape
+    inp = torch.full((2 * b, t + 1), PAD, dtype=torch.long, device=labels.device)
+    tgt = torch.full((2 * b, t + 1), PAD, dtype=torch.long, device=labels.device)
+    for i in range(b):
+        n = int(lengths[i])
+        y = labels[i, :n]
+        inp[i, 0], inp[i, 1 : n + 1] = SOS, y
+        tgt[i, :n], tgt[i, n] = y, EOS
+        r = y.flip(0)
+        inp[b + i, 0], inp[b + i, 1 : n + 1] = EOS, r
+        tgt[b + i, :n], tgt[b + i, n] = r, SOS
+    return inp, tgt
+
+
+@register_model("bttr", BTTRConfig)
+class BTTR(nn.Module, PretrainedMixin):
+    def __init__(self, config: BTTRConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config)
+        self.decoder = Decoder(config)
+
+    def parameter_breakdown(self) -> dict[str, int]:
+        count = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
+        return {"encoder": count(self.encoder), "decoder": count(self.decoder)}
+
+    def encode(self, image: torch.Tensor, image_mask: torch.Tensor | None = None):
+        return self.encoder(image, image_mask)
+
+    def forward(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Bidirectional teacher-forced loss: both directions share the decoder and the memory."""
+        memory, mmask = self.encode(batch["image"], batch.get("image_mask"))
+        inp, tgt = bidirectional_targets(batch["labels"], batch["label_lengths"])
+        logits = self.decoder(inp, memory.repeat(2, 1, 1), mmask.repeat(2, 1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=PAD)
+        return {"loss": loss, "ntokens": int((tgt != PAD).sum()), "logits": logits}
+
+    # --- decoding API used by tellkit.decoding.joint_search ------------------------------
+    def new_cache(self) -> list[dict]:
+        return [{} for _ in self.decoder.layers]
+
+    @staticmethod
+    def reorder_cache(cache: list[dict], index: torch.Tensor) -> list[dict]:
+        """Select rows (beams) of every cached key/value tensor."""
+        for layer in cache:
+            sc = layer.get("self", {})
+            for key in ("k", "v", "mask"):
+                if key in sc:
+                    sc[key] = sc[key].index_select(0, index)
+            if "memory" in layer:
+                layer["memory"] = layer["memory"].index_select(index)
+        return cache
+
+    def step_logprobs(self, prefix: torch.Tensor, memory, memory_mask, cache: list | None) -> torch.Tensor:
+        """Log-probabilities of the next token [N, V] given prefixes [N, t].
+
+        With a cache only the last token is fed (its keys/values are appended); without one
+        the whole prefix is recomputed, as in the reference implementation."""
+        if cache is None:
+            logits = self.decoder(prefix, memory, memory_mask)[:, -1]
+        else:
+            t = prefix.shape[1]
+            logits = self.decoder(prefix[:, -1:], memory, memory_mask, cache, start=t - 1)[:, -1]
+        return F.log_softmax(logits.float(), -1)
+
+    def sequence_logprob(self, inputs: torch.Tensor, targets: torch.Tensor, memory, memory_mask) -> torch.Tensor:
+        """Teacher-forced sum of log p(targets) per row (PAD targets ignored): [N]."""
+        lp = F.log_softmax(self.decoder(inputs, memory, memory_mask).float(), -1)
+        tok = lp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+        return (tok * (targets != PAD)).sum(-1)
+
+    @torch.no_grad()
+    def generate(self, image: torch.Tensor, image_mask: torch.Tensor | None = None, beam_size: int | None = None,
+                 max_len: int | None = None, bidirectional: bool = True, rescore: bool = True,
+                 use_cache: bool = True, alpha: float | None = None) -> dict[str, Any]:
+        """Approximate joint search (see :mod:`tellkit.decoding.joint_search`).
+        -> {"tokens": list[list[int]] (no sos/eos), "scores": list[float]}"""
+        from tellkit.decoding.joint_search import joint_search
+
+        c = self.config
+        return joint_search(self, image, image_mask, beam_size=beam_size or c.beam_size,
+                            max_len=max_len or c.max_len, alpha=c.alpha if alpha is None else alpha,
+                            bidirectional=bidirectional, rescore=rescore, use_cache=use_cache)

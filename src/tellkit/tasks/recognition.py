@@ -1,0 +1,129 @@
+"""Handwritten math recognition (BTTR on CROHME) for the generic trainer and evaluator.
+
+Recipe sections read here (``configs/bttr/*.yaml``)::
+
+    data:
+      root: ../shared/data/crohme   # relative to the working directory or the project root
+      layout: tsv                   # tsv (shared PNG + raw LaTeX TSV) | caption (WAP/BTTR caption.txt)
+      train: gt_split/train         # split names, see tellkit.data.crohme.load_split
+      val: gt_split/validation
+      test: "2014"
+      crop: true                    # crop to the ink's bounding box
+      scale: 1.0                    # resize factor after cropping
+      max_side: 0                   # cap on the longer side after scaling (0 = none)
+      max_pixels: 320000            # training images above this are dropped (reference)
+      max_len: 200                  # training labels above this are dropped (reference)
+      max_batch_pixels: 1600000     # cap on padded pixels per batch (batch_size from train:)
+      limit: {train: 0, val: 0, test: 0}   # optional seeded subsets (0 = all)
+    eval: {beam_size: 10, max_len: 200, alpha: 1.0, bidirectional: true, rescore: true}
+
+The model is validated (and selected, and its lr reduced on plateau) on ExpRate.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from tellkit.config import CONFIG_ROOT
+from tellkit.errors import TellkitError
+from tellkit.tasks import register_task
+from tellkit.tasks.base import Task
+
+PROJECT_ROOT = CONFIG_ROOT.parent
+
+DATA_DEFAULTS: dict[str, Any] = {
+    "root": "../shared/data/crohme", "layout": "tsv", "train": "gt_split/train", "val": "gt_split/validation",
+    "test": "2014", "crop": True, "scale": 1.0, "max_side": 0, "max_pixels": 320000, "max_len": 200,
+    "max_batch_pixels": 1_600_000, "limit": {},
+}
+EVAL_DEFAULTS: dict[str, Any] = {"beam_size": 10, "max_len": 200, "alpha": 1.0, "bidirectional": True, "rescore": True}
+
+
+def resolve_data_root(root: str) -> Path:
+    p = Path(root).expanduser()
+    for c in ([p] if p.is_absolute() else [Path.cwd() / p, PROJECT_ROOT / p]):
+        if c.is_dir():
+            return c
+    raise TellkitError(f"CROHME data not found at '{root}' (relative paths are tried from the working "
+                       f"directory and from {PROJECT_ROOT}); set data.root")
+
+
+@register_task("recognition")
+class RecognitionTask(Task):
+    monitor = "exprate"
+    monitor_mode = "max"
+    ddp_find_unused_parameters = False
+
+    def __init__(self, recipe):
+        super().__init__(recipe)
+        data = dict(self.recipe.get("data") or {})
+        unknown = sorted(set(data) - set(DATA_DEFAULTS))
+        if unknown:
+            raise TellkitError(f"data: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(DATA_DEFAULTS))}")
+        self.data = {**DATA_DEFAULTS, **data}
+        ev = dict(self.recipe.get("eval") or {})
+        unknown = sorted(set(ev) - set(EVAL_DEFAULTS))
+        if unknown:
+            raise TellkitError(f"eval: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(EVAL_DEFAULTS))}")
+        self.eval = {**EVAL_DEFAULTS, **ev}
+        train = self.recipe.get("train") or {}
+        self.batch_size = int(train.get("batch_size", 8))
+        from tellkit.data.latex import Vocab
+
+        self.vocab = Vocab()
+
+    # --- data -------------------------------------------------------------------------------
+    def build_dataset(self, split: str):
+        from tellkit.data.crohme import CrohmeDataset, load_split
+
+        if split not in ("train", "val", "test"):
+            raise TellkitError(f"unknown split '{split}' (train|val|test)")
+        d = self.data
+        name = d[split]
+        if not name:
+            raise TellkitError(f"data.{split} is not set")
+        exprs = load_split(resolve_data_root(d["root"]), str(name), d["layout"])
+        limit = int((d.get("limit") or {}).get(split, 0) or 0)
+        if limit and limit < len(exprs):
+            exprs = random.Random(1234).sample(exprs, limit)
+        is_train = split == "train"
+        return CrohmeDataset(exprs, self.vocab, crop=d["crop"], scale=float(d["scale"]), max_side=int(d["max_side"]),
+                             max_pixels=int(d["max_pixels"]) if is_train else 0,
+                             max_len=int(d["max_len"]) if is_train else 0, drop_unknown=is_train)
+
+    def collate(self, samples):
+        from tellkit.data.crohme import collate
+
+        return collate(samples, self.vocab.pad)
+
+    def batch_sampler(self, dataset, split, *, shuffle, seed, epoch):
+        from tellkit.data.crohme import size_batches
+
+        return size_batches(dataset.sizes(), self.batch_size, int(self.data["max_batch_pixels"]),
+                            shuffle=shuffle, seed=seed * 1_000_003 + epoch)
+
+    def sample_size(self, dataset, index):
+        h, w = dataset.sizes()[index]
+        return h * w
+
+    # --- evaluation -------------------------------------------------------------------------
+    def predict(self, model, batch):
+        e = self.eval
+        out = model.generate(batch["image"], batch["image_mask"], beam_size=int(e["beam_size"]),
+                             max_len=int(e["max_len"]), alpha=float(e["alpha"]),
+                             bidirectional=bool(e["bidirectional"]), rescore=bool(e["rescore"]))
+        from tellkit.metrics.exprate import edit_distance
+
+        preds = []
+        for i, (toks, score) in enumerate(zip(out["tokens"], out["scores"])):
+            hyp = self.vocab.decode(toks)
+            ref = list(batch["tokens"][i])
+            preds.append({"id": batch["ids"][i], "prediction": " ".join(hyp), "reference": " ".join(ref),
+                          "score": score, "distance": edit_distance(hyp, ref), "correct": hyp == ref})
+        return preds
+
+    def score(self, predictions):
+        from tellkit.metrics.exprate import exprate
+
+        return exprate([p["prediction"].split() for p in predictions], [p["reference"].split() for p in predictions])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -43,6 +44,7 @@ from tellkit.errors import TellkitError
 SPECIALS = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3, "madeupword0000": 50261,
             "madeupword0001": 50262, "madeupword0002": 50263, "<mask>": 50264}
 ROBERTA_VOCAB_SIZE = 50265
+_WORD = re.compile(r"\S+")
 _CONTROL_RUN = {50108: 188, 50109: 189, 50110: 190, 50111: 191}  # see module docstring
 
 
@@ -199,6 +201,22 @@ class CaptionTokenizer:
         e = self._tok.encode(text, add_special_tokens=False)
         spans = [(_word_start(text, s, t), t) for s, t in e.offsets]
         return e.ids, spans
+
+    def word_pieces(self, text: str) -> dict[int, int]:
+        """``{character position: caption id}`` for the copy head: every whitespace-separated
+        word of ``text`` is tokenized on its own *with a leading space* (the form a copied word
+        takes inside a caption, also for words that open a line), and each of its pieces is keyed
+        by the character of ``text`` where the piece starts (first piece wins when a multi-byte
+        character is split over several byte tokens)."""
+        words = [(m.start(), m.group()) for m in _WORD.finditer(text)]
+        out: dict[int, int] = {}
+        encs = self._tok.encode_batch([" " + w for _, w in words], add_special_tokens=False)
+        for (start, word), enc in zip(words, encs):
+            for i, (s, e) in zip(enc.ids, enc.offsets):
+                s = _word_start(" " + word, s, e)
+                if s < e:
+                    out.setdefault(start + s - 1, i)
+        return out
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special tokens (bos, pad, eos, unk, mask) are dropped."""

@@ -1,0 +1,218 @@
+"""Unit tests of the shared blocks in tellkit.layers."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
+from tellkit.layers.attention import MultiheadAttention, causal_mask
+from tellkit.layers.dynamic_conv import DynamicConv1d, DynamicConvLayer
+from tellkit.layers.layer_mix import LayerMix
+from tellkit.layers.positional import SinusoidalPositions, sinusoidal_table
+
+
+# -- dynamic convolution -------------------------------------------------------------------
+def naive_dynamic_conv(conv: DynamicConv1d, x: torch.Tensor) -> torch.Tensor:
+    """Direct loop over positions, heads and window slots (no band matrices)."""
+    B, T, C = x.shape
+    K, H = conv.kernel_size, conv.num_heads
+    hd = C // H
+    w = torch.softmax(conv.weight_linear(x).view(B, T, H, K), dim=-1)
+    out = torch.zeros_like(x)
+    for t in range(T):
+        for h in range(H):
+            for k in range(K):
+                src = t - (K - 1) + k
+                if src >= 0:
+                    out[:, t, h * hd:(h + 1) * hd] += w[:, t, h, k, None] * x[:, src, h * hd:(h + 1) * hd]
+    return out
+
+
+@pytest.mark.parametrize("K", [1, 3, 4, 7])
+def test_dynamic_conv_matches_naive_loop(K):
+    torch.manual_seed(0)
+    conv = DynamicConv1d(8, K, num_heads=2).eval()
+    x = torch.randn(2, 6, 8)
+    torch.testing.assert_close(conv(x), naive_dynamic_conv(conv, x), atol=1e-6, rtol=1e-5)
+
+
+def test_dynamic_conv_is_causal():
+    torch.manual_seed(0)
+    layer = DynamicConvLayer(8, 5, num_heads=2, weight_dropout=0.0, input_dropout=0.0).eval()
+    x = torch.randn(1, 7, 8)
+    y = layer(x)
+    x2 = x.clone()
+    x2[:, 4:] = torch.randn(1, 3, 8)  # change the future of position 3
+    y2 = layer(x2)
+    torch.testing.assert_close(y[:, :4], y2[:, :4])
+    assert not torch.allclose(y[:, 4:], y2[:, 4:])
+
+
+def test_dynamic_conv_incremental_keeps_only_k_minus_1_inputs():
+    torch.manual_seed(0)
+    K = 4
+    conv = DynamicConv1d(6, K, num_heads=3).eval()
+    x = torch.randn(2, 9, 6)
+    full = conv(x)
+    state: dict = {}
+    steps = []
+    for t in range(9):
+        steps.append(conv(x[:, t:t + 1], state))
+        assert state["history"].shape == (2, K - 1, 6)
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=1e-5)
+
+
+def test_dynamic_conv_kernels_softmax_normalised_and_weight_dropout():
+    torch.manual_seed(0)
+    conv = DynamicConv1d(8, 5, num_heads=2, weight_dropout=0.5)
+    x = torch.randn(2, 3, 8)
+    conv.eval()
+    w = conv.kernels(x)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 2))
+    conv.train()
+    w = conv.kernels(x)
+    assert (w == 0).any()  # DropConnect on the normalised kernel weights
+
+
+# -- attention ----------------------------------------------------------------------------
+def _torch_reference(mine: MultiheadAttention) -> nn.MultiheadAttention:
+    ref = nn.MultiheadAttention(mine.embed_dim, mine.num_heads, bias=True, add_bias_kv=mine.bias_k is not None,
+                                add_zero_attn=mine.add_zero_attn, kdim=mine.kdim, vdim=mine.vdim, batch_first=True)
+    with torch.no_grad():
+        ref.q_proj_weight.copy_(mine.q_proj.weight)
+        ref.k_proj_weight.copy_(mine.k_proj.weight)
+        ref.v_proj_weight.copy_(mine.v_proj.weight)
+        ref.in_proj_bias.copy_(torch.cat([mine.q_proj.bias, mine.k_proj.bias, mine.v_proj.bias]))
+        ref.out_proj.weight.copy_(mine.out_proj.weight)
+        ref.out_proj.bias.copy_(mine.out_proj.bias)
+        if mine.bias_k is not None:
+            ref.bias_k.copy_(mine.bias_k)
+            ref.bias_v.copy_(mine.bias_v)
+    return ref.eval()
+
+
+@pytest.mark.parametrize("bias_kv,zero_attn", [(False, False), (True, False), (False, True), (True, True)])
+def test_attention_matches_torch_with_separate_kv_sizes(bias_kv, zero_attn):
+    torch.manual_seed(0)
+    mine = MultiheadAttention(16, 4, kdim=24, vdim=8, add_bias_kv=bias_kv, add_zero_attn=zero_attn).eval()
+    ref = _torch_reference(mine)
+    q, k, v = torch.randn(2, 5, 16), torch.randn(2, 7, 24), torch.randn(2, 7, 8)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 4:] = True
+    out, _ = mine(q, k, v, key_padding_mask=pad)
+    ref_pad = pad
+    expected, _ = ref(q, k, v, key_padding_mask=ref_pad)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_attention_empty_context_is_legal_with_bias_or_zero_slot():
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 4, kdim=8, vdim=8, add_bias_kv=True, add_zero_attn=True).eval()
+    q = torch.randn(2, 3, 16)
+    empty = torch.zeros(2, 0, 8)
+    out, w = mha(q, empty, empty, key_padding_mask=torch.zeros(2, 0, dtype=torch.bool), need_weights=True)
+    assert torch.isfinite(out).all() and w.shape == (2, 3, 0)
+    # all-padding context == empty context (the padded keys are ignored)
+    masked = torch.randn(2, 4, 8)
+    out2, _ = mha(q, masked, masked, key_padding_mask=torch.ones(2, 4, dtype=torch.bool))
+    torch.testing.assert_close(out, out2)
+
+
+def test_attention_without_slots_attends_to_nothing_when_all_masked():
+    mha = MultiheadAttention(8, 2, bias=False).eval()
+    q, k = torch.randn(1, 2, 8), torch.randn(1, 3, 8)
+    out, _ = mha(q, k, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_attention_projected_kv_reused_and_weights_over_real_keys():
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 4, kdim=8, vdim=8, add_bias_kv=True, add_zero_attn=True).eval()
+    k = torch.randn(2, 6, 8)
+    kv = mha.project_kv(k)
+    q = torch.randn(2, 3, 16)
+    a, w = mha.attend(q, kv, need_weights=True)
+    b, _ = mha(q, k, k)
+    torch.testing.assert_close(a, b)
+    assert w.shape == (2, 3, 6) and (w.sum(-1) < 1).all()  # some mass went to the bias/zero slots
+
+
+def test_incremental_self_attention_cache_equals_full():
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 4).eval()
+    x = torch.randn(2, 6, 16)
+    full, _ = mha(x, attn_mask=causal_mask(6))
+    cache: dict = {}
+    steps = [mha(x[:, t:t + 1], cache=cache)[0] for t in range(6)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=1e-5)
+
+
+# -- adaptive input / softmax ---------------------------------------------------------------
+@pytest.fixture
+def adaptive_pair():
+    torch.manual_seed(0)
+    inp = AdaptiveInput(50, 16, [10, 30], factor=2.0, padding_idx=1)
+    out = AdaptiveSoftmax(50, 16, [10, 30], factor=2.0, tied_to=inp)
+    return inp, out
+
+
+def test_adaptive_input_bands_and_padding(adaptive_pair):
+    inp, _ = adaptive_pair
+    assert [e.embedding_dim for e in inp.embeddings] == [16, 8, 4]
+    assert [e.num_embeddings for e in inp.embeddings] == [10, 20, 20]
+    y = inp(torch.tensor([[1, 5, 15, 45]]))
+    assert y.shape == (1, 4, 16)
+    assert torch.equal(y[0, 0], torch.zeros(16))  # padding embeds to zero
+    manual = inp.projections[2](inp.embeddings[2](torch.tensor(45 - 30)))
+    torch.testing.assert_close(y[0, 3], manual)
+
+
+def test_adaptive_softmax_is_a_distribution_and_targets_agree(adaptive_pair):
+    _, sm = adaptive_pair
+    sm.eval()
+    x = torch.randn(7, 16)
+    lp = sm.log_probs(x)
+    torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(7), atol=1e-5, rtol=0)
+    target = torch.tensor([0, 9, 10, 29, 30, 49, 3])
+    torch.testing.assert_close(sm.target_log_probs(x, target), lp.gather(1, target[:, None]).squeeze(1))
+
+
+def test_adaptive_softmax_weights_are_tied(adaptive_pair):
+    inp, sm = adaptive_pair
+    own = {id(p) for p in sm.parameters()}
+    assert not own & {id(p) for p in inp.parameters()}  # tied weights are not registered twice
+    x = torch.randn(3, 16)
+    sm.target_log_probs(x, torch.tensor([2, 12, 40])).sum().backward()
+    for emb in inp.embeddings:  # gradients reach every band's embedding through the softmax
+        assert emb.weight.grad is not None and emb.weight.grad.abs().sum() > 0
+
+
+def test_adaptive_cutoffs_validated():
+    with pytest.raises(ValueError):
+        AdaptiveInput(50, 16, [30, 10])
+
+
+# -- positions and layer mix -------------------------------------------------------------------
+def test_sinusoidal_table_formula_and_growth():
+    t = sinusoidal_table(10, 8)
+    half = 4
+    for pos in (0, 3, 9):
+        for i in range(half):
+            f = math.exp(-math.log(10000.0) * i / (half - 1))
+            assert t[pos, i].item() == pytest.approx(math.sin(pos * f), abs=1e-6)
+            assert t[pos, half + i].item() == pytest.approx(math.cos(pos * f), abs=1e-6)
+    pe = SinusoidalPositions(8, init_size=4)
+    torch.testing.assert_close(pe(3, start=8), sinusoidal_table(11, 8)[8:])
+
+
+def test_layer_mix_softmax_weighted_sum():
+    mix = LayerMix(3)
+    h = torch.randn(2, 3, 5, 4)
+    torch.testing.assert_close(mix(h), h.mean(1))  # zero init = uniform
+    with torch.no_grad():
+        mix.weights.copy_(torch.tensor([0.0, 1.0, 2.0]))
+    a = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0)
+    torch.testing.assert_close(mix(h), (h * a.view(1, 3, 1, 1)).sum(1))
+    with pytest.raises(ValueError):
+        mix(torch.randn(2, 4, 5, 4))

@@ -15,7 +15,6 @@ from tellkit.data.flickr8k import load_flickr8k, read_captions
 from tellkit.data.goodnews import load_goodnews
 from tellkit.data.mongo_archive import decode_document, iter_documents, read_header
 from tellkit.data.nytimes import load_nytimes_archive, load_nytimes_mongo
-from tellkit.data.sample import CaptionSample, build_context
 from tellkit.errors import TellkitError
 
 FIX = Path(__file__).parent / "fixtures"
@@ -138,21 +137,6 @@ def test_flickr8k_fixed_seeded_split(shared_data):
     s = ctx[0]
     assert len(s.paragraphs) == 4 and s.paragraphs == [x.caption for x in ctx if x.image_id == s.image_id and x is not s]
     assert Path(s.image_path).is_file()
-
-
-def test_location_aware_context():
-    paras = [f"p{i}" for i in range(10)]
-    s = CaptionSample(id="x", caption="c", title="T", paragraphs=paras, image_position=6)
-    one = lambda t: 1  # noqa: E731  (one token per paragraph)
-    # title, first paragraph, then above/below alternately: p5, p6, p4, p7 ... in document order
-    assert build_context(s, "location_aware", 6, one) == ["T", "p0", "p4", "p5", "p6", "p7"]
-    assert build_context(s, "location_aware", 100, one) == ["T"] + paras
-    assert build_context(s, "first_tokens", 4, one) == ["T", "p0", "p1", "p2"]
-    s.image_position = None  # unknown position: from the start
-    assert build_context(s, "location_aware", 3, one) == ["T", "p0", "p1"]
-    s.image_position = 10  # image at the end: everything above it
-    assert build_context(s, "location_aware", 4, one) == ["T", "p0", "p8", "p9"]
-    assert build_context(s, "none") == []
 
 
 def test_bucketing_token_cap_and_determinism():

@@ -24,15 +24,11 @@ SPLITS = {"train": "train", "valid": "val", "val": "val", "test": "test"}
 
 
 def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike | None = None) -> Iterator[CaptionSample]:
+    from tellkit.encoders.context import split_parsed_section
+
     sections = article.get("parsed_section") or []
     headline = article.get("headline") or {}
     title = (headline.get("main") if isinstance(headline, dict) else str(headline)) or ""
-    paragraphs: list[str] = []
-    n_before: list[int] = []  # for each section: paragraphs seen before it
-    for sec in sections:
-        n_before.append(len(paragraphs))
-        if sec.get("type") == "paragraph" and (sec.get("text") or "").strip():
-            paragraphs.append(sec["text"].strip())
     split = SPLITS.get(str(article.get("split", "")), article.get("split"))
     for pos in article.get("image_positions") or []:
         if not 0 <= pos < len(sections):
@@ -41,6 +37,7 @@ def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike 
         caption = (sec.get("text") or "").strip()
         if sec.get("type") != "caption" or not caption or not sec.get("hash"):
             continue
+        paragraphs, image_index = split_parsed_section(sections, pos)
         extra: dict[str, Any] = {}
         faces = (sec.get("facenet_details") or {}).get("embeddings")
         if faces:
@@ -55,7 +52,7 @@ def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike 
             article_id=str(article.get("_id")),
             title=title.strip(),
             paragraphs=paragraphs,
-            image_position=n_before[pos],
+            image_position=image_index,
             split=split,
             source="nytimes800k",
             extra=extra,

@@ -1,0 +1,62 @@
+"""`tellkit bench`: run the speed benchmarks and write JSON under bench/results/."""
+from __future__ import annotations
+
+NAME = "bench"
+HELP = "run speed benchmarks (Transform and Tell generation/training, encoders, BTTR search) and write JSON"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("suites", nargs="*", help="which suites (default: all found in tellkit.bench)")
+    p.add_argument("--out", default="bench/results", help="output folder (default: bench/results)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+
+
+def _suites() -> dict[str, str]:
+    import pkgutil
+
+    import tellkit.bench as pkg
+
+    return {m.name: f"tellkit.bench.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)}
+
+
+def run(args) -> int:
+    import importlib
+    import inspect
+    import json
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from tellkit.bench import machine
+    from tellkit.checkpoint import atomic_write_json
+    from tellkit.errors import TellkitError
+
+    available = _suites()
+    chosen = args.suites or sorted(available)
+    unknown = [s for s in chosen if s not in available]
+    if unknown:
+        raise TellkitError(f"unknown benchmark suite(s) {unknown}; available: {sorted(available)}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise TellkitError("--device cuda asked for, but no CUDA device is available")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in chosen:
+        mod = importlib.import_module(available[name])
+        fn = getattr(mod, "run", None)
+        if fn is None:
+            continue
+        params = inspect.signature(fn).parameters
+        kwargs = {k: v for k, v in (("quick", args.quick), ("device", device)) if k in params}
+        print(f"[bench] {name} ...", flush=True)
+        t0 = time.time()
+        result = fn(**kwargs)
+        record = {"suite": name, "device": device, "quick": args.quick, "machine": machine(),
+                  "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "wall_seconds": round(time.time() - t0, 1), "results": result}
+        path = out_dir / f"{name}.json"
+        atomic_write_json(path, record)
+        print(f"[bench] {name}: wrote {path}", flush=True)
+    return 0

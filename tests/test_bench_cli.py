@@ -1,0 +1,29 @@
+"""`tellkit bench` plumbing (not timings: speed targets live in the benchmark JSON only)."""
+import json
+import subprocess
+import sys
+
+import torch
+
+import tellkit
+from tellkit.bench.tat import _Recompute, fake_batch
+from tellkit.decoding.search import greedy_search
+from tellkit.models.transform_and_tell import _Incremental
+
+
+def test_recompute_decoder_matches_incremental_decoder():
+    """The benchmark's two modes must produce the same captions, or the ratio is meaningless."""
+    torch.manual_seed(0)
+    m = tellkit.create_model("tat/tiny", vocab_size=99, adaptive_cutoffs=[20, 50]).eval()
+    b = fake_batch(m.config, 3, n_image=4, n_article=6, n_faces=2)
+    kw = dict(bos_id=0, eos_id=2, pad_id=1, max_len=7)
+    with torch.no_grad():
+        inc = greedy_search(_Incremental(m, m.project_contexts(m.encode_contexts(b))), 3, **kw)
+        full = greedy_search(_Recompute(m, b), 3, **kw)
+    assert [h.tokens for h in inc] == [h.tokens for h in full]
+
+
+def test_bench_cli_rejects_unknown_suite(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "tellkit", "bench", "no_such_suite", "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "unknown benchmark suite" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,90 @@
+"""All summary metrics of VG-GPLMs (Yu et al., EMNLP 2021) in one JSON-able dict.
+
+``score_summaries(predictions, references)`` returns::
+
+    {"n": 2156,
+     "rouge_reference": {"rouge1", "rouge2", "rougeL"},   # sentence-averaged F1, whitespace tokens
+     "rouge_score":     {"rouge1", "rouge2", "rougeL"},   # Google's rouge-score package, no stemming
+     "bleu1".."bleu4", "meteor", "cider",                 # tellkit.metrics.caption (coco-caption)
+     "content_f1",                                        # METEOR alignments minus function words
+     "implementations": {...}}                            # what each number is, in words
+
+ROUGE and Content F1 are percentages. ``metrics`` selects groups ("rouge", "caption",
+"content_f1"): METEOR and Content F1 need Java.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from tellkit.errors import TellkitError
+
+GROUPS = ("rouge", "caption", "content_f1")
+
+
+def _pairs(predictions: Sequence[str] | Mapping[str, str], references: Sequence[str] | Mapping[str, str]) -> tuple[list[str], list[str], list[str]]:
+    if isinstance(predictions, Mapping):
+        if not isinstance(references, Mapping):
+            raise TellkitError("predictions are keyed by id, so references must be too")
+        missing = sorted(set(predictions) ^ set(references))
+        if missing:
+            raise TellkitError(f"predictions and references have different ids (e.g. {missing[:3]})")
+        ids = sorted(predictions)
+        return ids, [predictions[i] for i in ids], [references[i] for i in ids]
+    if len(predictions) != len(references):
+        raise TellkitError(f"{len(predictions)} predictions but {len(references)} references")
+    return [str(i) for i in range(len(predictions))], list(predictions), list(references)
+
+
+def score_summaries(
+    predictions: Sequence[str] | Mapping[str, str],
+    references: Sequence[str] | Mapping[str, str],
+    metrics: Sequence[str] = GROUPS,
+) -> dict[str, Any]:
+    """Score summaries against one reference each (lists aligned by position, or dicts by id)."""
+    unknown = sorted(set(metrics) - set(GROUPS))
+    if unknown:
+        raise TellkitError(f"unknown summary metric group(s) {unknown}; known: {', '.join(GROUPS)}")
+    ids, preds, refs = _pairs(predictions, references)
+    if not preds:
+        raise TellkitError("no summaries to score")
+    out: dict[str, Any] = {"n": len(preds)}
+    notes: dict[str, str] = {}
+    if "rouge" in metrics:
+        from tellkit.metrics.rouge import rouge_reference, rouge_score_package
+
+        out["rouge_reference"] = rouge_reference(preds, refs)
+        out["rouge_score"] = rouge_score_package(preds, refs)
+        notes["rouge_reference"] = "VG-GPLMs evaluation: per-pair F1 on whitespace tokens (case kept, no stemming), averaged"
+        notes["rouge_score"] = "rouge-score package (lower-cased, punctuation dropped, no stemming), mean F-measure"
+    if "caption" in metrics:
+        try:
+            from tellkit.metrics.caption import score_captions
+        except ImportError as exc:
+            raise TellkitError(f"BLEU/METEOR/CIDEr need tellkit.metrics.caption, which could not be imported ({exc})") from exc
+        cap = score_captions(dict(zip(ids, preds)), {i: [r] for i, r in zip(ids, refs)})
+        for k, v in cap.items():
+            out[k.lower() if isinstance(k, str) else k] = v
+        notes["caption"] = "coco-caption BLEU-1..4, METEOR 1.5 and CIDEr-D via tellkit.metrics.caption (one reference each)"
+    if "content_f1" in metrics:
+        from tellkit.metrics.content_f1 import content_f1
+
+        out["content_f1"] = content_f1(preds, refs)
+        notes["content_f1"] = "METEOR 1.5 alignment F1 over content tokens (function words and How2 summary stop-words removed), mean over pairs"
+    out["implementations"] = notes
+    return out
+
+
+def flatten_scores(scores: Mapping[str, Any]) -> dict[str, float]:
+    """Numbers only, one level: ``rouge1/2/L`` = the reference implementation (what the paper
+    reports), ``rouge_score.rouge1`` ... = the package; other metrics keep their names."""
+    flat: dict[str, float] = {}
+    for k, v in scores.items():
+        if k in ("n", "implementations"):
+            continue
+        if k == "rouge_reference":
+            flat.update({kk: float(vv) for kk, vv in v.items()})
+        elif isinstance(v, Mapping):
+            flat.update({f"{k}.{kk}": float(vv) for kk, vv in v.items()})
+        elif isinstance(v, (int, float)):
+            flat[k] = float(v)
+    return flat

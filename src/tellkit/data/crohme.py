@@ -119,8 +119,9 @@ def load_split(root: str | os.PathLike, split: str, layout: str = "tsv") -> list
 
 # --- images -----------------------------------------------------------------------------------
 def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool = True,
-               scale: float = 1.0, max_side: int = 0) -> torch.Tensor:
-    """Read an image (black ink on white) -> float [1, H, W], ink 1, background 0, padded to /16."""
+               scale: float = 1.0, max_side: int = 0, require_ink: bool = False) -> torch.Tensor:
+    """Read an image (dark ink on a light background, or the reverse) -> float [1, H, W] with
+    ink 1 and background 0, padded to a multiple of 16. ``image``: a PIL image instead of a path."""
     from PIL import Image, UnidentifiedImageError
 
     if image is None:
@@ -136,7 +137,11 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
         image = image.convert("L")
     a = 1.0 - np.asarray(image, dtype=np.float32) / 255.0
     if a.size == 0:
-        raise TellkitError(f"{path}: empty image")
+        raise TellkitError(f"{path or 'image'}: empty image")
+    if a.mean() > 0.5:  # light ink on a dark background: ink is the minority, so flip
+        a = 1.0 - a
+    if require_ink and not (a > 0.1).any():
+        raise TellkitError(f"{path or 'image'}: no ink found (a blank image)")
     if crop:
         ys, xs = np.nonzero(a > 0.1)
         if len(ys):
@@ -152,6 +157,30 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
                        dtype=np.float32) / 255.0
     t = torch.from_numpy(np.ascontiguousarray(a))[None]
     return pad_to_stride(t)
+
+
+def render_strokes(strokes: Sequence[Sequence[tuple[float, float]]], size: int = 256, margin: int = 5,
+                   width: int = 2):
+    """Draw pen strokes (lists of (x, y) points, y down) like the shared CROHME renders: black
+    ink on a white ``size`` x ``size`` square, the expression scaled to fit and centred."""
+    from PIL import Image, ImageDraw
+
+    pts = [p for s in strokes for p in s]
+    if not pts:
+        raise TellkitError("no strokes to draw")
+    x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+    f = (size - 2 * margin - 1) / max(x1 - x0, y1 - y0, 1e-6)
+    ox = margin + ((size - 2 * margin - 1) - (x1 - x0) * f) / 2
+    oy = margin + ((size - 2 * margin - 1) - (y1 - y0) * f) / 2
+    im = Image.new("L", (size, size), 255)
+    d = ImageDraw.Draw(im)
+    for s in strokes:
+        xy = [(ox + (x - x0) * f, oy + (y - y0) * f) for x, y in s]
+        if len(xy) == 1:
+            xy = xy * 2
+        d.line(xy, fill=0, width=width, joint="curve")
+    return im
 
 
 def pad_to_stride(img: torch.Tensor, stride: int = STRIDE) -> torch.Tensor:

@@ -127,3 +127,69 @@ class RecognitionTask(Task):
         from tellkit.metrics.exprate import exprate
 
         return exprate([p["prediction"].split() for p in predictions], [p["reference"].split() for p in predictions])
+
+
+# --- recognising images with a trained checkpoint (tellkit recognize, bench) ------------------
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "bttr_default"
+
+
+class Recognizer:
+    """A BTTR checkpoint plus the image preparation it was trained with (read from the
+    checkpoint's ``data`` section: crop, scale, max_side) and its search settings."""
+
+    def __init__(self, model, data: dict, eval_: dict, checkpoint: Path | None = None):
+        from tellkit.data.latex import Vocab
+
+        self.model = model.eval()
+        self.data = {**DATA_DEFAULTS, **(data or {})}
+        ev = {**EVAL_DEFAULTS, **(eval_ or {})}
+        self.beam_size, self.max_len, self.alpha = int(ev["beam_size"]), int(ev["max_len"]), float(ev["alpha"])
+        self.checkpoint = checkpoint
+        self.vocab = Vocab()
+
+    @classmethod
+    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu") -> "Recognizer":
+        from tellkit.checkpoint import load_model, read_checkpoint_config
+        from tellkit.models.bttr import BTTR
+
+        path = Path(checkpoint) if checkpoint else DEFAULT_CHECKPOINT
+        if (path / "checkpoints").is_dir():  # a run folder: its best (else last) checkpoint
+            path = next((path / "checkpoints" / n for n in ("best", "last") if (path / "checkpoints" / n).exists()), path)
+        if checkpoint is None and not path.is_dir():
+            raise TellkitError(f"no default BTTR checkpoint at {path}; pass --model CHECKPOINT")
+        meta = read_checkpoint_config(path)
+        model = load_model(path, map_location=device, expect=BTTR).float()
+        return cls(model, meta.get("data") or {}, meta.get("eval") or {}, path)
+
+    def prepare(self, image):
+        """A path or a PIL image -> float [1, H, W] as in training."""
+        from tellkit.data.crohme import load_image
+
+        d = self.data
+        kw = dict(crop=bool(d["crop"]), scale=float(d["scale"]), max_side=int(d["max_side"]), require_ink=True)
+        if isinstance(image, (str, Path)):
+            return load_image(image, **kw)
+        return load_image(image=image, **kw)
+
+    def search(self, tensors, **kw):
+        import torch
+
+        from tellkit.data.crohme import collate
+
+        dev = next(self.model.parameters()).device
+        b = collate([{"image": t, "labels": [], "id": str(i), "tokens": []} for i, t in enumerate(tensors)])
+        with torch.no_grad():
+            return self.model.generate(b["image"].to(dev), b["image_mask"].to(dev), alpha=self.alpha, **kw)
+
+    def recognize(self, images, batch_size: int = 8, beam_size: int | None = None,
+                  max_len: int | None = None) -> list[dict[str, Any]]:
+        """-> per image {"latex": space-separated tokens, "tokens": list, "score": float}."""
+        out = []
+        tensors = [self.prepare(im) for im in images]
+        for i in range(0, len(tensors), batch_size):
+            res = self.search(tensors[i : i + batch_size], beam_size=beam_size or self.beam_size,
+                              max_len=max_len or self.max_len)
+            for toks, score in zip(res["tokens"], res["scores"]):
+                words = self.vocab.decode(toks)
+                out.append({"latex": " ".join(words), "tokens": words, "score": score})
+        return out

@@ -1,0 +1,80 @@
+"""BTTR end to end through the real command line: train a few steps, evaluate, recognise;
+ExpRate; the packaged sample and default model; the benchmark function."""
+import json
+
+import pytest
+from PIL import Image
+
+from tellkit.bench.bttr import SAMPLE_PATH, draw_sample
+from tellkit.cli import main
+from tellkit.metrics.exprate import edit_distance, exprate
+
+LABELS = ["x^2", "a+b", "\\frac 1 2", "y_1", "x^2", "a+b", "\\frac 1 2", "y_1"]
+
+
+def _dataset(root):
+    (root / "train" / "S").mkdir(parents=True)
+    lines = []
+    for i, lab in enumerate(LABELS):
+        strokes = [[(0, 0), (10 + 5 * (i % 4), 20)], [(0, 20), (10, i % 4)]]
+        from tellkit.data.crohme import render_strokes
+
+        render_strokes(strokes).save(root / "train" / "S" / f"e{i}.png")
+        lines.append(f"S/e{i}\t{lab}")
+    (root / "groundtruth_train.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def test_exprate():
+    assert edit_distance(list("abc"), list("abd")) == 1 and edit_distance([], list("ab")) == 2
+    r = exprate([["a", "b"], ["a"], ["x", "y", "z"]], [["a", "b"], ["a", "c"], ["a", "b", "c"]])
+    assert r["exprate"] == pytest.approx(100 / 3) and r["exprate_le1"] == pytest.approx(200 / 3)
+    assert r["exprate_le2"] == pytest.approx(200 / 3) and r["n"] == 3
+
+
+def test_sample_is_drawn_by_our_code():
+    assert SAMPLE_PATH.is_file()
+    a, b = Image.open(SAMPLE_PATH).convert("L"), draw_sample()
+    assert a.size == b.size == (256, 256) and a.tobytes() == b.tobytes()
+
+
+def test_train_evaluate_recognize_cli(tmp_path, capsys):
+    _dataset(tmp_path / "data")
+    run = tmp_path / "run"
+    over = [f"data.root={tmp_path / 'data'}", "data.train=train", "data.val=train", "data.test=train",
+            "data.limit={}", "data.scale=0.5", "train.max_steps=2", "eval.beam_size=2", "eval.max_len=6"]
+    assert main(["train", "configs/bttr/tiny.yaml", *over, "--out", str(run), "--device", "cpu", "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", str(run), "--split", "test", "--device", "cpu", "--no-progress",
+                 "--out", str(tmp_path / "ev")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n"] == 8 and set(out["metrics"]) >= {"exprate", "exprate_le1", "exprate_le2"}
+    rows = [json.loads(l) for l in (tmp_path / "ev" / "predictions_test.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 and {"id", "prediction", "reference", "distance", "correct"} <= set(rows[0])
+    assert sum(r["correct"] for r in rows) / 8 * 100 == pytest.approx(out["metrics"]["exprate"])
+
+    img = str(tmp_path / "data" / "train" / "S" / "e0.png")
+    assert main(["recognize", img, "--model", str(run), "--json", "--beam-size", "2", "--max-len", "6"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["image"] == img and isinstance(res["latex"], str) and len(res["tokens"]) <= 6
+
+    bad = tmp_path / "bad.png"
+    bad.write_text("not an image")
+    assert main(["recognize", str(bad), "--model", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable image" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    blank = tmp_path / "blank.png"
+    Image.new("L", (64, 64), 255).save(blank)
+    assert main(["recognize", str(blank), "--model", str(run)]) == 2
+    assert "no ink" in capsys.readouterr().err
+
+
+def test_bench_function(tmp_path):
+    from tellkit.bench.bttr import bench_bttr
+    from tellkit.models.bttr import BTTR, BTTRConfig
+
+    m = BTTR(BTTRConfig(growth_rate=4, block_depth=1, stem_channels=8, d_model=16, nhead=2,
+                        num_decoder_layers=1, dim_feedforward=32))
+    m.save_pretrained(tmp_path / "ck", extra={"data": {"scale": 0.25}, "eval": {"beam_size": 2, "max_len": 5}})
+    r = bench_bttr(tmp_path / "ck", images=[SAMPLE_PATH] * 3, batch_size=2)
+    assert r["images"] == 3 and r["same_outputs"] is True and r["batched_cached_images_per_s"] > 0
+    json.dumps(r)

@@ -79,3 +79,19 @@ def test_score_summaries_rouge_json():
         score_summaries({"a": "x"}, {"b": "x"}, metrics=["rouge"])
     with pytest.raises(TellkitError):
         score_summaries(["x"], ["x"], metrics=["bleurt"])
+
+
+@pytest.mark.java
+@pytest.mark.slow
+def test_score_summaries_full_json():
+    preds = {"v1": "a b c d", "v2": "cut the onion into small pieces"}
+    refs = {"v1": "a b c e", "v2": "chop the onion into small pieces"}
+    s = score_summaries(preds, refs)
+    json.dumps(s)
+    assert {"bleu1", "bleu2", "bleu3", "bleu4", "meteor", "cider", "content_f1", "rouge_reference", "rouge_score"} <= set(s)
+    # corpus BLEU-1: clipped unigram matches 3 + 5 of 4 + 6 predicted, lengths equal (no brevity penalty)
+    assert s["bleu1"] == pytest.approx(100 * 8 / 10, rel=1e-6)
+    assert 0 < s["meteor"] <= 100 and s["cider"] > 0
+    # Content F1: v1 all content, a/b/c aligned -> P = R = 3/4; v2 content {cut|chop, onion,
+    # small, pieces}: onion/small/pieces align exactly, cut/chop only if METEOR's synonyms do
+    assert s["content_f1"] >= 100 * (3 / 4 + 3 / 4) / 2 - 1e-9

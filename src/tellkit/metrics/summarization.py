@@ -5,7 +5,7 @@
     {"n": 2156,
      "rouge_reference": {"rouge1", "rouge2", "rougeL"},   # sentence-averaged F1, whitespace tokens
      "rouge_score":     {"rouge1", "rouge2", "rougeL"},   # Google's rouge-score package, no stemming
-     "bleu1".."bleu4", "meteor", "cider",                 # tellkit.metrics.caption (coco-caption)
+     "bleu1".."bleu4", "meteor", "cider", "rouge_l_coco", # tellkit.metrics.caption (coco-caption)
      "content_f1",                                        # METEOR alignments minus function words
      "implementations": {...}}                            # what each number is, in words
 
@@ -63,8 +63,12 @@ def score_summaries(
             raise TellkitError(f"BLEU/METEOR/CIDEr need tellkit.metrics.caption, which could not be imported ({exc})") from exc
         cap = score_captions(dict(zip(ids, preds)), {i: [r] for i, r in zip(ids, refs)})
         for k, v in cap.items():
-            out[k.lower() if isinstance(k, str) else k] = v
-        notes["caption"] = "coco-caption BLEU-1..4, METEOR 1.5 and CIDEr-D via tellkit.metrics.caption (one reference each)"
+            # coco-caption's ROUGE-L (beta 1.2) is a third ROUGE variant: keep it, labelled
+            out["rouge_l_coco" if k == "rouge_l" else k] = v
+        notes["caption"] = (
+            "coco-caption BLEU-1..4, METEOR 1.5, CIDEr-D (and ROUGE-L with beta 1.2 as rouge_l_coco) via "
+            "tellkit.metrics.caption, x100, one reference each, punctuation removed"
+        )
     if "content_f1" in metrics:
         from tellkit.metrics.content_f1 import content_f1
 

@@ -1,0 +1,196 @@
+"""Caption metrics against values computed independently of pycocoevalcap: BLEU with nltk, ROUGE-L
+and CIDEr-D with the small implementations below (from the papers' formulas), METEOR on cases
+whose value is known, NER matching and linguistic measures by hand."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from tellkit.errors import TellkitError
+from tellkit.metrics.caption import normalize, score_captions, score_captions_detailed
+from tellkit.metrics.linguistic import flesch_reading_ease, linguistic_scores, syllables, type_token_ratio
+from tellkit.metrics.ner import entity_scores
+
+PRED = {
+    "1": "Barack Obama speaks in Chicago on Monday.",
+    "2": "A man rides a red bicycle down the street",
+    "3": "Two dogs play in the snow near a fence",
+}
+REFS = {
+    "1": ["President Barack Obama speaks in Chicago on Monday night.", "Obama at a rally in Chicago."],
+    "2": ["A man is riding a red bike down the street", "A cyclist rides down a city street"],
+    "3": ["Two dogs playing in the snow", "Two brown dogs play near a wooden fence in the snow"],
+}
+
+
+def test_normalize_keeps_case_and_drops_punctuation():
+    assert normalize("Gov. Paul LePage, in  Augusta (Me.)!") == "Gov Paul LePage in Augusta Me"
+    assert normalize("New York-based don't") == "New Yorkbased dont"
+
+
+def _toks(d):
+    return {k: [normalize(x).split() for x in (v if isinstance(v, list) else [v])] for k, v in d.items()}
+
+
+def test_bleu_matches_nltk():
+    from nltk.translate.bleu_score import corpus_bleu
+
+    got = score_captions(PRED, REFS, metrics=["bleu"])
+    hyp, refs = _toks(PRED), _toks(REFS)
+    ids = sorted(PRED)
+    for n in range(1, 5):
+        want = corpus_bleu([refs[i] for i in ids], [hyp[i][0] for i in ids], weights=[1 / n] * n)
+        assert got[f"bleu{n}"] == pytest.approx(100 * want, rel=1e-6)
+
+
+def _lcs(a, b):
+    t = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+    for i in range(len(a)):
+        for j in range(len(b)):
+            t[i + 1][j + 1] = t[i][j] + 1 if a[i] == b[j] else max(t[i][j + 1], t[i + 1][j])
+    return t[-1][-1]
+
+
+def test_rouge_l_matches_formula():
+    hyp, refs = _toks(PRED), _toks(REFS)
+    beta = 1.2
+    per = []
+    for i in PRED:
+        h = hyp[i][0]
+        p = max(_lcs(h, r) / len(h) for r in refs[i])
+        r_ = max(_lcs(h, r) / len(r) for r in refs[i])
+        per.append((1 + beta**2) * p * r_ / (r_ + beta**2 * p))
+    assert score_captions(PRED, REFS, metrics=["rouge"])["rouge_l"] == pytest.approx(100 * sum(per) / len(per))
+
+
+def _cider_d(hyps, refs, n=4, sigma=6.0):
+    """CIDEr-D (Vedantam et al. 2015, coco-caption variant): tf-idf n-gram vectors with document
+    frequencies over the references of the whole set, hypothesis counts clipped by the
+    reference's, Gaussian length penalty, x10. As in coco-caption, the 'length' in the penalty
+    is the number of bigrams."""
+    def grams(words, k):
+        return Counter(tuple(words[i : i + k]) for i in range(len(words) - k + 1))
+
+    ids = list(hyps)
+    df = Counter()
+    for i in ids:
+        df.update({g for r in refs[i] for k in range(1, n + 1) for g in grams(r, k)})
+    logn = math.log(len(ids))
+
+    def vec(words):
+        v = [{g: c * (logn - math.log(max(1.0, df[g]))) for g, c in grams(words, k).items()} for k in range(1, n + 1)]
+        return v, [math.sqrt(sum(x * x for x in vk.values())) for vk in v], max(0, len(words) - 1)
+
+    out = {}
+    for i in ids:
+        vh, nh, lh = vec(hyps[i])
+        total = 0.0
+        for r in refs[i]:
+            vr, nr, lr = vec(r)
+            sims = []
+            for k in range(n):
+                s = sum(min(x, vr[k].get(g, 0.0)) * vr[k].get(g, 0.0) for g, x in vh[k].items())
+                if nh[k] and nr[k]:
+                    s /= nh[k] * nr[k]
+                sims.append(s * math.exp(-((lh - lr) ** 2) / (2 * sigma**2)))
+            total += sum(sims) / n
+        out[i] = 10.0 * total / len(refs[i])
+    return out
+
+
+def test_cider_d_matches_an_independent_implementation_over_the_whole_set():
+    corpus, per = score_captions_detailed(PRED, REFS, metrics=["cider"])
+    hyp, refs = _toks(PRED), _toks(REFS)
+    want = _cider_d({k: v[0] for k, v in hyp.items()}, refs)
+    for k in PRED:
+        assert per[k]["cider"] == pytest.approx(100 * want[k], rel=1e-9)
+    assert corpus["cider"] == pytest.approx(100 * sum(want.values()) / 3, rel=1e-9)
+    # corpus-level: document frequencies depend on the whole set, so a subset scores differently
+    sub = score_captions({"1": PRED["1"]}, {"1": REFS["1"]}, metrics=["cider"])["cider"]
+    assert sub != pytest.approx(per["1"]["cider"])
+
+
+@pytest.mark.java
+@pytest.mark.slow
+def test_meteor_known_values():
+    corpus, per = score_captions_detailed(
+        {"same": "a brown dog runs on the grass", "none": "purple elephants", "empty": ""},
+        {"same": ["a brown dog runs on the grass"], "none": ["a cat sleeps"], "empty": ["a cat sleeps"]},
+        metrics=["meteor"])
+    assert per["same"]["meteor"] == pytest.approx(100.0)
+    assert per["none"]["meteor"] == 0.0 and per["empty"]["meteor"] == 0.0
+    assert 0.0 < corpus["meteor"] < 100.0
+
+
+def test_errors_are_clear():
+    with pytest.raises(TellkitError, match="different ids"):
+        score_captions({"a": "x"}, {"b": ["x"]})
+    with pytest.raises(TellkitError, match="unknown caption metric"):
+        score_captions({"a": "x"}, {"a": ["x"]}, metrics=["spice"])
+
+
+def test_linguistic_by_hand():
+    assert [syllables(w) for w in ["the", "cat", "table", "beautiful", "make", "people", "free", "whale", "Obama"]] == [1, 1, 2, 3, 1, 2, 1, 1, 3]
+    # "The cat sat on the mat." 6 words, 1 sentence, 6 syllables
+    assert flesch_reading_ease("The cat sat on the mat.") == pytest.approx(206.835 - 1.015 * 6 - 84.6 * 1.0)
+    # "A table. A beautiful whale." 5 words, 2 sentences, 1+2+1+3+1 = 8 syllables
+    assert flesch_reading_ease("A table. A beautiful whale.") == pytest.approx(206.835 - 1.015 * 2.5 - 84.6 * 8 / 5)
+    assert type_token_ratio("The dog and the cat") == pytest.approx(80.0)
+    s = linguistic_scores(["The dog and the cat", "A cat."])
+    assert s["length"] == pytest.approx(3.5) and s["ttr"] == pytest.approx(90.0)
+
+
+class _Tok:
+    def __init__(self, text, pos):
+        self.text, self.pos_ = text, pos
+
+
+class _Ent:
+    def __init__(self, text, label):
+        self.text, self.label_ = text, label
+
+
+class _Doc(list):
+    ents: list
+
+
+class FakeNLP:
+    """Entities and proper nouns given by hand: words in CAPS-initial are PROPN; ENTS lists spans."""
+
+    ENTS = {"Obama": "PERSON", "Barack Obama": "PERSON", "Chicago": "GPE", "Monday": "DATE", "Paris": "GPE", "Google": "ORG"}
+
+    def pipe(self, texts):
+        for t in texts:
+            doc = _Doc(_Tok(w, "PROPN" if w[:1].isupper() and w not in ("A", "The") else "NOUN") for w in t.split())
+            ents, rest = [], t
+            for span in sorted(self.ENTS, key=len, reverse=True):
+                if span in rest:
+                    ents.append(_Ent(span, self.ENTS[span]))
+                    rest = rest.replace(span, "")
+            doc.ents = ents
+            yield doc
+
+
+def test_entity_precision_recall_by_hand():
+    pred = {"1": "Barack Obama in Paris on Monday", "2": "Google office in Chicago", "3": "Zorblat and a dog"}
+    ref = {"1": "Barack Obama in Chicago on Monday", "2": "Obama visits Google in Chicago", "3": "Zorblat the dog"}
+    got = entity_scores(pred, ref, nlp=FakeNLP(), train_words={"Barack", "Obama", "Paris", "Chicago", "Monday", "Google"})
+    # generated entities: {BO, Paris, Monday}, {Google, Chicago}, {} -> 5; reference: {BO, Chicago, Monday},
+    # {Obama, Google, Chicago}, {} -> 6; matches: BO, Monday, Google, Chicago -> 4
+    assert got["entities_precision"] == pytest.approx(80.0) and got["entities_recall"] == pytest.approx(400 / 6)
+    assert got["person_precision"] == pytest.approx(100.0) and got["person_recall"] == pytest.approx(50.0)
+    assert got["gpe_precision"] == pytest.approx(50.0) and got["gpe_recall"] == pytest.approx(50.0)
+    # rare proper nouns: only "Zorblat" is unseen in training; generated once, in its reference
+    assert got["rare_proper_nouns_recall"] == 100.0 and got["rare_proper_nouns_precision"] == 100.0
+    got = entity_scores(pred, ref, nlp=FakeNLP(), train_words={"Zorblat"})  # now Barack, Paris, ... are rare
+    # generated rare {Barack, Obama, Paris, Monday}, {Google, Chicago}, {}; reference {Barack, Obama,
+    # Chicago, Monday}, {Obama, Google, Chicago}, {}: 3 + 2 matches of 6 generated, 7 in references
+    assert got["rare_proper_nouns_precision"] == pytest.approx(500 / 6) and got["rare_proper_nouns_recall"] == pytest.approx(500 / 7)
+
+
+def test_entities_with_the_spacy_model():
+    pytest.importorskip("spacy")
+    got = entity_scores({"a": "Barack Obama visited Paris on Monday."}, {"a": "Barack Obama visited Paris on Monday."})
+    assert got["entities_precision"] == 100.0 and got["person_recall"] == 100.0

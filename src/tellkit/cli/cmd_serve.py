@@ -1,0 +1,120 @@
+"""`tellkit serve [--host 127.0.0.1] [--port 8000] [--checkpoint caption=DIR] [--checkpoint math=DIR]`:
+the HTTP JSON API and the demo page (see docs/server.md)."""
+from __future__ import annotations
+
+NAME = "serve"
+HELP = "serve the captioning / handwritten-math API and demo page over HTTP (localhost by default)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--checkpoint", action="append", default=[], metavar="MODEL=DIR",
+                   help="checkpoint (or run folder) per model: caption=DIR (Transform and Tell), math=DIR (BTTR); "
+                        "repeatable. Only these (and the packaged defaults) are ever loaded; clients cannot choose paths")
+    p.add_argument("--models", default="caption,math",
+                   help="which endpoints to serve: caption, math or both (default caption,math)")
+    p.add_argument("--untrained", action="store_true",
+                   help="serve tiny RANDOM models (outputs are noise) to try the page and API without checkpoints")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--max-batch", type=int, default=8, help="requests grouped into one forward pass (default 8)")
+    p.add_argument("--max-wait-ms", type=float, default=10.0, help="how long the worker waits to fill a batch (default 10)")
+    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds (default 60)")
+    p.add_argument("--max-upload-mb", type=float, default=8.0, help="request body limit in MiB (default 8)")
+    p.add_argument("--max-image-pixels", type=int, default=16_000_000, help="image width x height limit (default 16M)")
+    p.add_argument("--max-article-chars", type=int, default=20_000, help="article length limit (default 20000)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--api-only", action="store_true", help="serve the API without the page")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def parse_checkpoints(values: list[str]) -> dict[str, str]:
+    from tellkit.errors import TellkitError
+
+    out: dict[str, str] = {}
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or name not in ("caption", "math") or not path:
+            raise TellkitError(f"--checkpoint expects caption=DIR or math=DIR, got '{v}'")
+        if name in out:
+            raise TellkitError(f"--checkpoint {name}= given twice")
+        out[name] = path
+    return out
+
+
+def load_backends(args) -> tuple[object | None, object | None]:
+    """Load each requested model once, before the server starts (a failure stops start-up)."""
+    from pathlib import Path
+
+    from tellkit.errors import TellkitError
+    from tellkit.server.backends import DEFAULT_CAPTION_CHECKPOINT, BTTRMathRecognizer, TransformAndTellCaptioner
+
+    wanted = {m.strip() for m in args.models.split(",") if m.strip()}
+    bad = wanted - {"caption", "math"}
+    if bad or not wanted:
+        raise TellkitError(f"--models: expected caption, math or both, got '{args.models}'")
+    ckpts = parse_checkpoints(args.checkpoint)
+    extra = set(ckpts) - wanted
+    if extra:
+        raise TellkitError(f"--checkpoint {', '.join(sorted(extra))}=... given but not in --models {args.models}")
+    if args.untrained and ckpts:
+        raise TellkitError("--untrained serves random models; do not combine it with --checkpoint")
+    for name, path in ckpts.items():
+        if not Path(path).is_dir():
+            raise TellkitError(f"--checkpoint {name}={path}: not a directory")
+    captioner = recognizer = None
+    if "caption" in wanted:
+        if args.untrained:
+            captioner = TransformAndTellCaptioner.untrained()
+        else:
+            path = ckpts.get("caption") or DEFAULT_CAPTION_CHECKPOINT
+            if not Path(path).is_dir():
+                raise TellkitError(f"no captioning checkpoint: the packaged default {path} is not installed; pass "
+                                   "--checkpoint caption=DIR, --models math, or --untrained")
+            captioner = TransformAndTellCaptioner.load(path, device=args.device)
+    if "math" in wanted:
+        recognizer = BTTRMathRecognizer.untrained() if args.untrained else BTTRMathRecognizer.load(ckpts.get("math"), device=args.device)
+    return captioner, recognizer
+
+
+def run(args) -> int:
+    import sys
+
+    from tellkit.errors import TellkitError
+    from tellkit.server.limits import Limits
+    from tellkit.utils.optional import require
+
+    require("fastapi", "server", "tellkit serve")
+    uvicorn = require("uvicorn", "server", "tellkit serve")
+    from tellkit.server.app import check_static, create_app
+
+    if not 0 <= args.port <= 65535:
+        raise TellkitError(f"--port {args.port}: out of range")
+    try:
+        limits = Limits(max_upload_bytes=int(args.max_upload_mb * 1024 * 1024), max_image_pixels=args.max_image_pixels,
+                        max_article_chars=args.max_article_chars, request_timeout_s=args.timeout)
+    except ValueError as exc:
+        raise TellkitError(str(exc)) from None
+    if args.max_batch < 1:
+        raise TellkitError("--max-batch must be >= 1")
+    if not args.api_only:
+        check_static()  # fail before loading models, not after
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    captioner, recognizer = load_backends(args)
+    for name, b in (("caption", captioner), ("math", recognizer)):
+        if b is not None:
+            info = b.info
+            state = "trained" if info.get("trained") else "UNTRAINED (outputs are noise)"
+            print(f"tellkit serve: {name}: {info.get('name')} {state}, checkpoint {info.get('checkpoint') or '-'}",
+                  file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"tellkit serve: WARNING: binding {args.host}: reachable from other machines", file=sys.stderr)
+    app = create_app(captioner, recognizer, limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+                     serve_page=not args.api_only)
+    print(f"tellkit serve: http://{args.host}:{args.port}/", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

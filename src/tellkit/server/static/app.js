@@ -1,0 +1,318 @@
+// tellkit demo page: talks only to this server's /health, /api/caption and /api/recognize.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const state = { caption: null, active: -1, captionFile: null, mathFile: null };
+
+// ---------------------------------------------------------------- errors and status
+function showError(msg) {
+  const el = $("error");
+  el.textContent = msg;
+  el.hidden = false;
+}
+function clearError() { $("error").hidden = true; $("error").textContent = ""; }
+window.addEventListener("error", (e) => showError("Page error: " + e.message));
+window.addEventListener("unhandledrejection", (e) => showError("Page error: " + (e.reason && e.reason.message || e.reason)));
+
+function describeModel(info) {
+  if (!info) return "not loaded";
+  const where = info.checkpoint ? info.checkpoint.split("/").slice(-3).join("/") : "no checkpoint";
+  return `${info.name || info.family} (${info.trained ? "trained" : "UNTRAINED"}, ${where})`;
+}
+
+async function checkHealth() {
+  const st = $("status");
+  try {
+    const r = await fetch("/health");
+    const h = await r.json();
+    const c = h.models.caption, m = h.models.math;
+    st.textContent = `caption: ${describeModel(c)} | math: ${describeModel(m)}`;
+    st.className = "status" + ([c, m].some((x) => x && !x.trained) ? " untrained" : "");
+    st.title = [c, m].filter((x) => x && x.note).map((x) => x.note).join("\n");
+  } catch (err) {
+    st.textContent = "server unreachable";
+    st.className = "status down";
+    showError("Cannot reach the server: " + err.message);
+  }
+}
+
+// Posts a form and returns the JSON body, or throws an Error with the server's message.
+async function postForm(url, form) {
+  let r;
+  try {
+    r = await fetch(url, { method: "POST", body: form });
+  } catch (err) {
+    throw new Error("network error: " + err.message);
+  }
+  let body = null;
+  const text = await r.text();
+  try { body = JSON.parse(text); } catch (_) { /* not JSON */ }
+  if (!r.ok) {
+    const detail = body && (body.detail || body.error) ? body.detail || body.error : text.slice(0, 300);
+    throw new Error(`${r.status} ${r.statusText}: ${detail}`);
+  }
+  if (!body) throw new Error("the server sent a response that is not JSON");
+  return body;
+}
+
+// ---------------------------------------------------------------- tabs
+document.querySelectorAll(".tab").forEach((tab) => tab.addEventListener("click", () => {
+  document.querySelectorAll(".tab").forEach((t) => {
+    const on = t === tab;
+    t.classList.toggle("active", on);
+    t.setAttribute("aria-selected", on ? "true" : "false");
+    $(t.dataset.panel).hidden = !on;
+  });
+}));
+
+// ---------------------------------------------------------------- file drop zones
+function dropZone(zoneId, inputId, textId, onFile) {
+  const zone = $(zoneId), input = $(inputId);
+  input.addEventListener("change", () => { if (input.files[0]) onFile(input.files[0]); });
+  ["dragenter", "dragover"].forEach((ev) => zone.addEventListener(ev, (e) => { e.preventDefault(); zone.classList.add("over"); }));
+  ["dragleave", "drop"].forEach((ev) => zone.addEventListener(ev, (e) => { e.preventDefault(); zone.classList.remove("over"); }));
+  zone.addEventListener("drop", (e) => {
+    const f = e.dataTransfer.files[0];
+    if (f) onFile(f);
+  });
+  return (f) => { $(textId).textContent = `${f.name} (${Math.round(f.size / 1024)} KiB)`; };
+}
+const captionLabel = dropZone("caption-drop", "caption-file", "caption-drop-text", (f) => { state.captionFile = f; captionLabel(f); });
+const mathLabel = dropZone("math-drop", "math-file", "math-drop-text", (f) => { state.mathFile = f; mathLabel(f); recognize(f); });
+
+// ---------------------------------------------------------------- captioning
+$("caption-form").addEventListener("submit", async (e) => {
+  e.preventDefault();
+  clearError();
+  const file = state.captionFile;
+  if (!file) { showError("Choose or drop an image first."); return; }
+  const form = new FormData();
+  form.append("image", file, file.name);
+  form.append("article", $("article").value);
+  $("caption-submit").disabled = true;
+  $("caption-busy").hidden = false;
+  try {
+    const res = await postForm("/api/caption", form);
+    await showCaption(res, file);
+  } catch (err) {
+    showError("Captioning failed: " + err.message);
+  } finally {
+    $("caption-submit").disabled = false;
+    $("caption-busy").hidden = true;
+  }
+});
+
+function loadImage(img, file) {
+  return new Promise((resolve, reject) => {
+    img.onload = () => resolve();
+    img.onerror = () => reject(new Error("the browser cannot display this image"));
+    if (img.src) URL.revokeObjectURL(img.src);
+    img.src = URL.createObjectURL(file);
+  });
+}
+
+async function showCaption(res, file) {
+  state.caption = res;
+  state.active = -1;
+  $("caption-result").hidden = false;
+  await loadImage($("caption-image"), file);
+
+  const cap = $("caption");
+  cap.textContent = "";
+  res.tokens.forEach((tok, i) => {
+    const span = document.createElement("span");
+    span.className = "word";
+    span.textContent = tok.text;
+    span.dataset.index = String(i);
+    span.addEventListener("mouseenter", () => focusToken(i));
+    span.addEventListener("click", () => focusToken(i));
+    cap.appendChild(span);
+  });
+  if (!res.tokens.length) cap.textContent = "(the model produced an empty caption)";
+
+  renderArticle(res);
+  $("model-line").textContent = `model: ${describeModel(res.model)}; ${res.elapsed_ms} ms`;
+  focusToken(res.tokens.length ? 0 : -1);
+}
+
+function renderArticle(res) {
+  const view = $("article-view");
+  view.textContent = "";
+  state.articleSpans = [];
+  const text = res.article_text || "";
+  if (!text) { view.textContent = "(no article given)"; return; }
+  const toks = (res.article_tokens || []).map((t, i) => ({ ...t, i })).filter((t) => t.end > t.start)
+    .sort((a, b) => a.start - b.start);
+  let pos = 0;
+  for (const t of toks) {
+    if (t.start < pos) continue;
+    if (t.start > pos) view.appendChild(document.createTextNode(text.slice(pos, t.start)));
+    const span = document.createElement("span");
+    span.className = "tok";
+    span.textContent = text.slice(t.start, t.end);
+    span.title = t.text;
+    state.articleSpans[t.i] = span;
+    view.appendChild(span);
+    pos = t.end;
+  }
+  if (pos < text.length) {
+    const rest = document.createElement("span");
+    rest.className = "unread";
+    rest.title = "beyond the article encoder's token limit: not seen by the model";
+    rest.style.color = "#999";
+    rest.textContent = text.slice(pos);
+    view.appendChild(rest);
+  }
+}
+
+function focusToken(i) {
+  const res = state.caption;
+  if (!res) return;
+  state.active = i;
+  document.querySelectorAll("#caption .word").forEach((w) => w.classList.toggle("active", Number(w.dataset.index) === i));
+  const att = i >= 0 ? res.tokens[i].attention : {};
+  drawOverlay(res, att);
+  highlightArticle(att.article || []);
+  listFaces(res, att.faces || []);
+  $("focus").textContent = i >= 0 ? `word ${i + 1}: "${res.tokens[i].text.trim()}"` : "";
+}
+
+function drawOverlay(res, att) {
+  const img = $("caption-image"), cv = $("overlay");
+  const w = img.clientWidth, h = img.clientHeight;
+  cv.width = w; cv.height = h;
+  cv.style.width = w + "px"; cv.style.height = h + "px";
+  const ctx = cv.getContext("2d");
+  ctx.clearRect(0, 0, w, h);
+  const sx = w / res.image_size[0], sy = h / res.image_size[1];
+  const weights = att.image || [];
+  cv.dataset.heatmap = weights.length ? "drawn" : "none";
+  if (weights.length) {
+    const { rows, cols, box } = res.grid;
+    const max = Math.max(...weights) || 1;
+    const cw = (box[2] - box[0]) / cols, ch = (box[3] - box[1]) / rows;
+    for (let r = 0; r < rows; r++) {
+      for (let c = 0; c < cols; c++) {
+        const a = weights[r * cols + c] / max;
+        ctx.fillStyle = `rgba(255, 40, 0, ${(0.65 * a).toFixed(3)})`;
+        ctx.fillRect((box[0] + c * cw) * sx, (box[1] + r * ch) * sy, cw * sx + 0.5, ch * sy + 0.5);
+      }
+    }
+    ctx.strokeStyle = "rgba(255,255,255,0.7)";
+    ctx.setLineDash([4, 3]);
+    ctx.strokeRect(box[0] * sx, box[1] * sy, (box[2] - box[0]) * sx, (box[3] - box[1]) * sy);
+    ctx.setLineDash([]);
+  }
+  const fw = att.faces || [];
+  const fmax = Math.max(...fw, 1e-9);
+  (res.faces || []).forEach((f, k) => {
+    const [x0, y0, x1, y1] = f.box;
+    const a = fw.length ? fw[k] / fmax : 0;
+    ctx.lineWidth = 2 + 4 * a;
+    ctx.strokeStyle = `rgba(0, 200, 255, ${0.5 + 0.5 * a})`;
+    ctx.strokeRect(x0 * sx, y0 * sy, (x1 - x0) * sx, (y1 - y0) * sy);
+    ctx.fillStyle = "rgba(0, 200, 255, 0.9)";
+    ctx.font = "12px sans-serif";
+    ctx.fillText(`face ${k + 1}${fw.length ? " " + (100 * fw[k]).toFixed(0) + "%" : ""}`, x0 * sx + 2, Math.max(12, y0 * sy - 3));
+  });
+}
+
+function highlightArticle(weights) {
+  const max = Math.max(...weights, 1e-9);
+  (state.articleSpans || []).forEach((span, i) => {
+    if (!span) return;
+    const a = (weights[i] || 0) / max;
+    span.style.background = a > 0.02 ? `rgba(255, 140, 0, ${(0.8 * a).toFixed(3)})` : "";
+    span.title = `${(100 * (weights[i] || 0)).toFixed(1)}%`;
+  });
+}
+
+function listFaces(res, weights) {
+  const ul = $("faces");
+  ul.textContent = "";
+  if (!(res.model && res.model.contexts || []).includes("faces")) { ul.textContent = "(this model does not use faces)"; return; }
+  if (!res.faces.length) { ul.textContent = "(no face detected)"; return; }
+  res.faces.forEach((f, k) => {
+    const li = document.createElement("li");
+    const bar = document.createElement("span");
+    bar.className = "bar";
+    bar.style.width = (120 * (weights[k] || 0)).toFixed(1) + "px";
+    li.append(`face ${k + 1} (p=${f.score.toFixed(2)})`, bar, `${(100 * (weights[k] || 0)).toFixed(1)}%`);
+    ul.appendChild(li);
+  });
+}
+
+window.addEventListener("resize", () => { if (state.caption) focusToken(state.active); });
+
+// ---------------------------------------------------------------- math: drawing pad
+const pad = $("pad");
+const pctx = pad.getContext("2d");
+function clearPad() {
+  pctx.fillStyle = "#fff";
+  pctx.fillRect(0, 0, pad.width, pad.height);
+  state.inked = false;
+}
+clearPad();
+let drawing = false;
+function padPoint(e) {
+  const r = pad.getBoundingClientRect();
+  return [(e.clientX - r.left) * pad.width / r.width, (e.clientY - r.top) * pad.height / r.height];
+}
+pad.addEventListener("pointerdown", (e) => {
+  drawing = true;
+  pad.setPointerCapture(e.pointerId);
+  const [x, y] = padPoint(e);
+  pctx.beginPath();
+  pctx.moveTo(x, y);
+  pctx.lineTo(x + 0.1, y + 0.1);
+  pctx.lineWidth = 5; pctx.lineCap = "round"; pctx.lineJoin = "round"; pctx.strokeStyle = "#000";
+  pctx.stroke();
+  state.inked = true;
+});
+pad.addEventListener("pointermove", (e) => {
+  if (!drawing) return;
+  const [x, y] = padPoint(e);
+  pctx.lineTo(x, y);
+  pctx.stroke();
+});
+["pointerup", "pointercancel"].forEach((ev) => pad.addEventListener(ev, () => { drawing = false; }));
+$("pad-clear").addEventListener("click", clearPad);
+$("pad-recognize").addEventListener("click", () => {
+  if (!state.inked) { showError("Draw an expression first."); return; }
+  pad.toBlob((blob) => recognize(new File([blob], "drawing.png", { type: "image/png" })), "image/png");
+});
+
+async function recognize(file) {
+  clearError();
+  const form = new FormData();
+  form.append("image", file, file.name);
+  $("math-busy").hidden = false;
+  try {
+    const res = await postForm("/api/recognize", form);
+    $("math-result").hidden = false;
+    $("latex").textContent = res.latex;
+    renderLatex(res.latex);
+    $("math-model-line").textContent = `model: ${describeModel(res.model)}; score ${res.score.toFixed(3)}; ${res.elapsed_ms} ms`;
+  } catch (err) {
+    showError("Recognition failed: " + err.message);
+  } finally {
+    $("math-busy").hidden = true;
+  }
+}
+
+function renderLatex(latex) {
+  const out = $("rendered");
+  if (typeof katex === "undefined") {
+    out.textContent = "";
+    showError("KaTeX is not loaded (static/vendor/katex is missing: run `make setup`), so the LaTeX cannot be rendered.");
+    return;
+  }
+  try {
+    katex.render(latex, out, { throwOnError: true, displayMode: true });
+  } catch (err) {
+    out.textContent = "";
+    showError("The recognised LaTeX does not render: " + err.message);
+  }
+}
+
+checkHealth();

@@ -135,6 +135,7 @@ def test_batched_equals_one_by_one(fitted):
         assert abs(alone["scores"][0] - together["scores"][i]) < 1e-4
 
 
+@torch.no_grad()
 def _greedy(m, image, max_len):
     mem, mask = m.encode(image, None)
     seq = [SOS]

@@ -1,5 +1,5 @@
 """The captioning task end to end on the GoodNews fixture with a tiny Transform and Tell and fake
-encoders (random but fixed features of the tiny config's sizes): cache, train, evaluate."""
+frozen encoders (fixed values of the tiny config's sizes): features, train, evaluate."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tellkit.encoders.features as features_mod
 from tellkit.config import deep_merge, load_yaml
 from tellkit.tasks.captioning import CaptioningTask, Featurizer, collate_captions
 from tellkit.training import train
@@ -15,65 +16,103 @@ from tellkit.training import train
 FIX = Path(__file__).parent / "fixtures"
 
 
-class FakeFeaturizer(Featurizer):
-    """Sizes of configs/tat/tiny.yaml; values fixed by a hash of the input."""
+class _Img:
+    out_dim = 16
 
-    calls = 0
+    def encode(self, pils):
+        x = torch.stack([torch.full((5, 16), float(sum(p.getpixel((0, 0)))) / 765) for p in pils])
+        return x, torch.ones(x.shape[:2], dtype=torch.bool)
 
-    def images(self, pils):
-        FakeFeaturizer.calls += 1
-        return torch.stack([torch.full((5, 16), float(sum(p.getpixel((0, 0)))) / 765) for p in pils])
 
-    def faces(self, pil):
-        return {"embeddings": torch.ones(1, 8), "boxes": torch.zeros(1, 4), "probs": torch.ones(1)}
+class _Faces:
+    def detect_and_embed(self, pil):
+        return {"embeddings": torch.ones(1, 512), "boxes": torch.zeros(1, 4), "probs": torch.ones(1)}
 
-    def context_text(self, sample, mode):
-        return " ".join(([sample.title] if sample.title else []) + sample.paragraphs)[:60]
 
-    def articles(self, texts):
-        out = []
-        for t in texts:
-            n = len(t.split())
-            g = torch.Generator().manual_seed(len(t))
-            out.append({"hidden": torch.randn(3, n, 24, generator=g), "ids": torch.arange(n) + 100, "tokens": t.split()})
-        return out
+class _Art:
+    num_layers, dim, max_tokens, num_special = 3, 24, 64, 0
+
+    def count_tokens(self, text):
+        return len(text.split())
+
+    def encode(self, texts):
+        n = max(len(t.split()) for t in texts)
+        g = torch.Generator().manual_seed(n)
+        mask = torch.tensor([[i < len(t.split()) for i in range(n)] for t in texts])
+        offs = [[(0, 1)] * len(t.split()) for t in texts]
+        return {"hidden": torch.randn(len(texts), 3, n, 24, generator=g), "mask": mask, "offsets": offs}
+
+    def caption_ids(self, texts, offsets):
+        return torch.full((len(texts), max(len(o) for o in offsets)), 100)
+
+
+class FakeEncoders:
+    built = 0
+
+    def __init__(self, cfg):
+        FakeEncoders.built += 1
+        self.image, self.faces, self.article = _Img(), (_Faces() if cfg.faces else None), (_Art() if cfg.article else None)
+
+
+@pytest.fixture
+def fake_encoders(monkeypatch):
+    monkeypatch.setattr(features_mod, "_Encoders", FakeEncoders)
 
 
 def recipe(tmp_path, **train):
     r = load_yaml("tat/tiny")
     return deep_merge(r, {
+        "model": {"face_dim": 512},
         "data": {"format": "goodnews", "root": str(FIX / "goodnews"), "context": "first_tokens", "features": str(tmp_path / "feats")},
         "train": {"max_steps": 4, "max_epochs": 10, "lr": 1e-3, "log_every": 1, **train},
         "eval": {"metrics": ["bleu", "rouge", "cider"], "ner": False, "max_len": 6},
     })
 
 
-def test_feature_cache_and_collate(tmp_path):
-    task = CaptioningTask(recipe(tmp_path), featurizer=FakeFeaturizer(None, ("image", "article", "faces")))
+def test_feature_cache_and_collate(tmp_path, fake_encoders):
+    task = CaptioningTask(recipe(tmp_path))
     ds = task.build_dataset("train")
-    calls = FakeFeaturizer.calls
-    assert (tmp_path / "feats" / "train.safetensors").is_file()
-    again = task.build_dataset("train")  # read from the cache, no encoder call
-    assert FakeFeaturizer.calls == calls and len(again) == 1
+    assert (tmp_path / "feats" / "train-first_tokens" / "features.json").is_file() and FakeEncoders.built == 1
+    again = task.build_dataset("train")  # finished shards are reused: no encoder is built
+    assert FakeEncoders.built == 1 and len(again) == 1
     item = ds[0]
     assert item["caption"][0] == 0 and item["caption"][-1] == 2  # <s> ... </s>
     assert task.tokenizer.decode(item["caption"][1:-1].tolist()) == "Mayor Jane Doe cuts the ribbon in Albany on Monday."
-    b = collate_captions([item, {**item, "faces": torch.zeros(0, 8), "caption": item["caption"][:3]}], task.contexts)
+    assert item["article"].shape[0] == 3 and item["article"].shape[1] > 5 and item["faces"].shape == (1, 512)
+    b = collate_captions([item, {**item, "faces": torch.zeros(0, 512), "caption": item["caption"][:3]}], task.contexts)
     assert b["caption"].shape == (2, len(item["caption"])) and b["caption"][1, 3:].eq(1).all()
     assert b["faces_mask"].tolist() == [[True], [False]] and b["article"].shape[:2] == (2, 3)
     assert b["image"].dtype == torch.float32 and b["article_ids"].min() >= -1
-    other = recipe(tmp_path)
-    other["data"]["context"] = "location_aware"
-    with pytest.raises(Exception, match="other settings"):
-        CaptioningTask(other, featurizer=FakeFeaturizer(None, ())).build_dataset("train")
+    other = deep_merge(recipe(tmp_path), {"encoders": {"image": "resnet50"}})  # other encoders: refused
+    with pytest.raises(Exception, match="another configuration or item list"):
+        CaptioningTask(other).build_dataset("train")
 
 
-def test_train_then_evaluate_through_the_cli(tmp_path, capsys):
+def test_on_the_fly_encoding_without_a_cache(tmp_path):
+    class Fake(Featurizer):
+        def images(self, pils):
+            return _Img().encode(pils)[0]
+
+        def faces(self, pil):
+            return _Faces().detect_and_embed(pil)
+
+        def context_text(self, sample, mode):
+            return "a b c"
+
+        def articles(self, texts):
+            return [{"hidden": torch.zeros(3, 3, 24), "ids": torch.arange(3), "tokens": ["a", "b", "c"]} for _ in texts]
+
+    r = recipe(tmp_path)
+    del r["data"]["features"]
+    task = CaptioningTask(r, featurizer=Fake(None, ()))
+    item = task.build_dataset("val")[0]
+    assert item["image"].shape == (5, 16) and item["article"].shape == (3, 3, 24) and item["id"] == "7d8e9f_0"
+
+
+def test_train_then_evaluate_through_the_cli(tmp_path, fake_encoders):
     r = recipe(tmp_path, max_tokens=None)
-    task = CaptioningTask(r, featurizer=FakeFeaturizer(None, ("image", "article", "faces")))
-    s = train(r, tmp_path / "run", task=task, progress=False)
+    s = train(r, tmp_path / "run", progress=False)
     assert s["steps"] == 4 and s["best"] is not None
-    task.build_dataset("test")  # cache the test split with the fake encoders
     from tellkit.cli import main
 
     assert main(["evaluate", str(tmp_path / "run"), "--data", str(FIX / "goodnews"), "--split", "test", "--no-progress"]) == 0

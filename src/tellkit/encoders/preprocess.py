@@ -6,9 +6,10 @@ Contract used across the project::
     to_rgb(img) -> PIL.Image.Image                          # any PIL mode -> RGB
     ImageNetTransform(resize=256, crop=224)(img) -> float[3, crop, crop]
 
-``load_image`` raises :class:`~tellkit.errors.TellkitError` with a one-line message for a
-missing path, a directory, a file that is not an image, a corrupt or truncated image, and an
-image with more pixels than the cap (decompression-bomb guard). The cap is ``max_pixels``, else
+``load_image`` raises :class:`ImageLoadError` (a :class:`~tellkit.errors.TellkitError`) with a
+one-line message for a missing path, a directory, a file that is not an image, a corrupt or
+truncated image, and an image with more pixels than the cap (decompression-bomb guard); its
+``reason`` is one of :data:`LOAD_ERRORS` (for summaries such as ``tellkit features``). The cap is ``max_pixels``, else
 the environment variable ``TELLKIT_MAX_IMAGE_PIXELS``, else :data:`DEFAULT_MAX_PIXELS`.
 
 The transform follows the recipe that ImageNet CNNs (and the paper's ResNet-152) were trained
@@ -31,6 +32,15 @@ from tellkit.errors import TellkitError
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 DEFAULT_MAX_PIXELS = 64_000_000  # ~8000 x 8000; news photos are far smaller
+LOAD_ERRORS = ("not found", "directory", "not an image", "corrupt or truncated", "too many pixels")
+
+
+class ImageLoadError(TellkitError):
+    """An image that cannot be used; ``reason`` in :data:`LOAD_ERRORS`."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def _max_pixels(max_pixels: int | None) -> int:
@@ -68,9 +78,9 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.
     """Open an image file as RGB with its EXIF orientation applied (see module docstring)."""
     p = Path(path)
     if not p.exists():
-        raise TellkitError(f"{p}: image not found")
+        raise ImageLoadError(f"{p}: image not found", "not found")
     if p.is_dir():
-        raise TellkitError(f"{p}: is a directory, expected an image file")
+        raise ImageLoadError(f"{p}: is a directory, expected an image file", "directory")
     cap = _max_pixels(max_pixels)
     try:
         with warnings.catch_warnings():
@@ -79,22 +89,21 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.
             with Image.open(p) as img:
                 w, h = img.size
                 if w * h > cap:
-                    raise TellkitError(
+                    raise ImageLoadError(
                         f"{p}: image is {w}x{h} = {w * h:,} pixels, over the cap of {cap:,} "
-                        "(set TELLKIT_MAX_IMAGE_PIXELS to allow it)"
-                    )
+                        "(set TELLKIT_MAX_IMAGE_PIXELS to allow it)", "too many pixels")
                 img.load()  # decode now, so truncation / corruption is caught here
                 out = to_rgb(ImageOps.exif_transpose(img))
                 return out.copy() if out is img else out  # never hand out the closed file's image
     except TellkitError:
         raise
     except UnidentifiedImageError:
-        raise TellkitError(f"{p}: not an image file (or a format PIL cannot read)") from None
+        raise ImageLoadError(f"{p}: not an image file (or a format PIL cannot read)", "not an image") from None
     except Image.DecompressionBombError as exc:
-        raise TellkitError(f"{p}: image too large ({exc})") from None
+        raise ImageLoadError(f"{p}: image too large ({exc})", "too many pixels") from None
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TellkitError(f"{p}: corrupt or truncated image ({msg})") from None
+        raise ImageLoadError(f"{p}: corrupt or truncated image ({msg})", "corrupt or truncated") from None
 
 
 def resize_short_side(img: Image.Image, size: int) -> Image.Image:

@@ -1,0 +1,83 @@
+"""`tellkit features OUT`: pre-compute image grids, face embeddings and (optionally) article
+hidden states into shards under OUT (see tellkit.encoders.features for the layout).
+
+    tellkit features feats/ --images photos/                 # a folder or a list of paths
+    tellkit features feats/ --format goodnews --root data/goodnews --split val --article
+    tellkit features feats/ --images photos/ --image-encoder resnet152 --image-weights r152.pth
+
+Re-running the same command resumes after the last finished shard. Unreadable images are
+reported and skipped; the summary (also in OUT/features.json) counts them by reason.
+"""
+from __future__ import annotations
+
+NAME = "features"
+HELP = "pre-compute image grids, face embeddings and article hidden states into shards (resumable)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("out", help="output folder")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--images", help="a folder of images (recursive) or a text file listing image paths")
+    src.add_argument("--format", choices=("goodnews", "nytimes800k", "coco", "flickr8k"), help="a captioning data set")
+    p.add_argument("--root", help="the data set's folder / archive / URI (with --format)")
+    p.add_argument("--split", help="only this split (train / val / test) of --format data")
+    p.add_argument("--image-root", help="the images' folder for --format data (default: the loader's own)")
+    p.add_argument("--limit", type=int, help="only the first N images")
+    p.add_argument("--image-encoder", default="mobilenet_v2", help="mobilenet_v2 (offline default), resnet50/101/152")
+    p.add_argument("--image-weights", help="torchvision-layout state dict for the image encoder")
+    p.add_argument("--no-faces", action="store_true", help="skip face detection and embedding")
+    p.add_argument("--facenet-weights", help="facenet-pytorch-layout FaceNet file (e.g. VGGFace2); default: packaged CASIA-WebFace")
+    p.add_argument("--article", action="store_true", help="also store article hidden states (all layers; large)")
+    p.add_argument("--article-encoder", help="Hugging Face name or folder (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"), help="storage dtype")
+    p.add_argument("--shard-size", type=int, default=256, help="images per shard (the unit of resumption)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-pixels", type=int, help="skip images with more pixels (decompression-bomb guard)")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--overwrite", action="store_true", help="discard features already in OUT")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    from tellkit.encoders.features import FeatureConfig, extract_features, items_from_dataset, items_from_images
+    from tellkit.errors import TellkitError
+
+    if args.format and not args.root:
+        raise TellkitError("--format needs --root (the data set's location)")
+    if args.images and (args.root or args.split or args.image_root):
+        raise TellkitError("--root/--split/--image-root go with --format, not --images")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.images:
+        items = items_from_images(args.images)
+        if args.limit:
+            items = items[: args.limit]
+    else:
+        items = items_from_dataset(args.format, args.root, args.split, args.limit, args.image_root)
+    if args.article and args.images:
+        print("note: --images gives no article text; article features will be empty", file=sys.stderr)
+    cfg = FeatureConfig(
+        image_encoder=args.image_encoder, image_weights=args.image_weights, faces=not args.no_faces,
+        facenet_weights=args.facenet_weights, article=args.article, article_encoder=args.article_encoder,
+        dtype=args.dtype, shard_size=args.shard_size, batch_size=args.batch_size, max_pixels=args.max_pixels,
+    )
+    summary = extract_features(items, args.out, cfg, overwrite=args.overwrite, progress=not args.no_progress,
+                               log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary["skipped_by_reason"].items())) or "none"
+    speed = f", {summary['seconds_per_image']:.3f} s/image" if summary["seconds_per_image"] else ""
+    print(f"features: {summary['encoded']} of {summary['items']} images in {Path(args.out)} "
+          f"({summary['shards']} shards: {summary['shards_written']} written, {summary['shards_reused']} reused; "
+          f"{summary['seconds']:.1f} s{speed})")
+    print(f"skipped: {summary['skipped']} ({reasons})")
+    for s in summary["skipped_items"][:20]:
+        print(f"  {s['id']}: {s['message']}")
+    if summary["skipped"] > 20:
+        print(f"  ... {summary['skipped'] - 20} more in {Path(args.out) / 'features.json'}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "skipped_items"}))
+    return 0

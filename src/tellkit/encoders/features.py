@@ -1,0 +1,368 @@
+"""Pre-computed encoder outputs on disk: ``tellkit features`` writes them, training reads them.
+
+    items = items_from_images("photos/")                       # or items_from_dataset(...)
+    summary = extract_features(items, "feats/", FeatureConfig(article=True))
+    store = FeatureStore("feats/")
+    store["<image id>"] -> {"image": float[N, C], "image_mask": bool[N],
+                            "faces": float[F, 512], "face_boxes": float[F, 4], "face_probs": float[F],
+                            "article": float[n_layers, L, D], "article_mask": bool[L],
+                            "article_ids": long[L]}                 # article keys only when extracted
+
+Layout of the output folder:
+- ``features.json``: the configuration, the item count, a hash of the item ids, and (once
+  finished) the summary. Re-running with a different configuration or item list is refused
+  (pass ``overwrite=True`` to start over).
+- ``shard-00000.safetensors``, ...: shard k holds items ``[k * shard_size, (k + 1) * shard_size)``
+  of the (stable) item list; its metadata lists the ids it holds and the items it skipped with
+  the reason. Each shard is written to a temporary file and renamed, so an interrupted run
+  resumes at the first missing shard and never reads a half-written one.
+
+An image that cannot be read (missing, not an image, corrupt or truncated, too many pixels) is
+reported and skipped; the summary counts skipped items by reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from tellkit.encoders.preprocess import ImageLoadError, load_image
+from tellkit.errors import TellkitError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+FORMAT_VERSION = 1
+MAX_FACES = 4
+
+
+@dataclass
+class FeatureItem:
+    id: str
+    image_path: str
+    title: str = ""
+    paragraphs: list[str] = field(default_factory=list)
+    image_position: int | None = None  # paragraphs[:image_position] come before the image
+
+
+@dataclass
+class FeatureConfig:
+    image_encoder: str = "mobilenet_v2"
+    image_weights: str | None = None  # None: the encoder's offline default
+    faces: bool = True
+    facenet_weights: str | None = None  # None: packaged CASIA-WebFace FaceNet
+    article: bool = False
+    article_encoder: str | None = None  # None: packaged all-MiniLM-L6-v2
+    dtype: str = "float16"  # storage dtype of the float features
+    shard_size: int = 256
+    batch_size: int = 16
+    max_pixels: int | None = None
+
+    def identity(self) -> dict:
+        """The fields that decide what is stored (batch size does not)."""
+        d = asdict(self)
+        d.pop("batch_size")
+        return d
+
+
+# --- inputs --------------------------------------------------------------------------------
+
+def items_from_images(path: str | os.PathLike) -> list[FeatureItem]:
+    """A folder (searched recursively for images; id = path relative to it, without suffix) or
+    a text file listing image paths, one per line (relative to the file's folder)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.suffix.lower() in IMAGE_SUFFIXES and f.is_file())
+        items = [FeatureItem(f.relative_to(p).with_suffix("").as_posix(), str(f)) for f in files]
+    elif p.is_file():
+        lines = [ln.strip() for ln in p.read_text(encoding="utf-8").splitlines()]
+        paths = [Path(ln) if Path(ln).is_absolute() else p.parent / ln for ln in lines if ln and not ln.startswith("#")]
+        items = [FeatureItem(q.with_suffix("").name, str(q)) for q in paths]
+    else:
+        raise TellkitError(f"{p}: no such folder or image list")
+    if not items:
+        raise TellkitError(f"{p}: no images found ({', '.join(IMAGE_SUFFIXES)})")
+    dup = [k for k, n in Counter(i.id for i in items).items() if n > 1]
+    if dup:
+        raise TellkitError(f"{p}: {len(dup)} image ids occur twice (e.g. '{dup[0]}')")
+    return items
+
+
+def items_from_dataset(fmt: str, root: str | os.PathLike, split: str | None = None, limit: int | None = None,
+                       image_root: str | os.PathLike | None = None) -> list[FeatureItem]:
+    """One item per distinct image of a captioning data set (``tellkit.data.load_captions``);
+    the article context comes with it (title, paragraphs, image position). ``image_root``: the
+    images' folder (NYTimes800k default: ``images_processed`` beside the archive)."""
+    from tellkit.data import load_captions
+
+    options: dict = {}
+    if fmt == "nytimes800k":
+        beside = Path(root).parent / "images_processed"
+        options["image_root"] = image_root or (beside if beside.is_dir() else None)
+    elif image_root is not None:
+        key = {"goodnews": "images_dir", "coco": "image_root"}.get(fmt)
+        if key is None:
+            raise TellkitError(f"--image-root is not used by the {fmt} loader")
+        options[key] = str(Path(image_root).resolve())
+    seen: dict[str, FeatureItem] = {}
+    for s in load_captions(fmt, root, split, **options):
+        key = s.image_id or s.id
+        if key not in seen and s.image_path:
+            seen[key] = FeatureItem(key, s.image_path, s.title, list(s.paragraphs), s.image_position)
+        if limit is not None and len(seen) >= limit:
+            break
+    if not seen:
+        raise TellkitError(f"{root}: no images in the {fmt} data" + (f" ({split} split)" if split else "")
+                           + ("" if options.get("image_root", True) else "; pass --image-root"))
+    return list(seen.values())
+
+
+# --- writing -------------------------------------------------------------------------------
+
+def _ids_hash(items: Sequence[FeatureItem]) -> str:
+    h = hashlib.sha1()
+    for it in items:
+        h.update(it.id.encode("utf-8") + b"\0")
+    return h.hexdigest()
+
+
+def _shard_path(out: Path, k: int) -> Path:
+    return out / f"shard-{k:05d}.safetensors"
+
+
+def _read_meta(path: Path) -> dict | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return {"ids": json.loads(meta["ids"]), "skipped": json.loads(meta.get("skipped", "[]"))}
+    except Exception:  # noqa: BLE001 - an unreadable shard is simply redone
+        return None
+
+
+class _Encoders:
+    """Builds only what the configuration asks for, on first use."""
+
+    def __init__(self, cfg: FeatureConfig):
+        from tellkit.encoders.image import build_image_encoder
+
+        self.image = build_image_encoder(cfg.image_encoder, cfg.image_weights)
+        self.faces = None
+        if cfg.faces:
+            from tellkit.encoders.faces import FaceEncoder
+
+            self.faces = FaceEncoder(facenet_weights=cfg.facenet_weights, max_faces=MAX_FACES)
+        self.article = None
+        if cfg.article:
+            from tellkit.encoders.text import ArticleEncoder
+
+            self.article = ArticleEncoder(cfg.article_encoder)
+
+
+def _encode_shard(items: Sequence[FeatureItem], enc: _Encoders, cfg: FeatureConfig,
+                  on_item: Callable[[FeatureItem, str | None], None]) -> tuple[dict[str, torch.Tensor], list[str], list[dict]]:
+    from tellkit.encoders.context import build_context
+
+    dtype = getattr(torch, cfg.dtype)
+    ids: list[str] = []
+    skipped: list[dict] = []
+    grids, faces, boxes, probs, counts = [], [], [], [], []
+    art_states, art_ids, art_lens = [], [], []
+    for start in range(0, len(items), cfg.batch_size):
+        batch = items[start:start + cfg.batch_size]
+        images, ok = [], []
+        for it in batch:
+            try:
+                images.append(load_image(it.image_path, cfg.max_pixels))
+                ok.append(it)
+            except ImageLoadError as exc:
+                skipped.append({"id": it.id, "path": it.image_path, "reason": exc.reason, "message": str(exc)})
+                on_item(it, str(exc))
+        if not ok:
+            continue
+        feats, _ = enc.image.encode(images)
+        grids.append(feats.to(dtype))
+        for it, img in zip(ok, images):
+            if enc.faces is not None:
+                det = enc.faces.detect_and_embed(img)
+                F = len(det["embeddings"])
+                pad = MAX_FACES - F
+                faces.append(torch.cat([det["embeddings"], torch.zeros(pad, 512)]).to(dtype))
+                boxes.append(torch.cat([det["boxes"], torch.zeros(pad, 4)]))
+                probs.append(torch.cat([det["probs"], torch.zeros(pad)]))
+                counts.append(F)
+            ids.append(it.id)
+        if enc.article is not None:
+            a = enc.article
+            texts = [build_context(it.title, it.paragraphs, it.image_position, a.count_tokens,
+                                   a.max_tokens - a.num_special).text for it in ok]
+            out = a.encode(texts)
+            cap_ids = a.caption_ids(texts, out["offsets"])
+            for b in range(len(ok)):
+                n = int(out["mask"][b].sum())
+                art_states.append(out["hidden"][b, :, :n].transpose(0, 1).to(dtype))  # [L, layers, D]
+                art_ids.append(cap_ids[b, :n].to(torch.int32))
+                art_lens.append(n)
+        for it in ok:
+            on_item(it, None)
+    C = enc.image.out_dim
+    tensors = {"image": torch.cat(grids) if grids else torch.zeros(0, 0, C, dtype=dtype)}
+    if enc.faces is not None:
+        tensors["faces"] = torch.stack(faces) if faces else torch.zeros(0, MAX_FACES, 512, dtype=dtype)
+        tensors["face_boxes"] = torch.stack(boxes) if boxes else torch.zeros(0, MAX_FACES, 4)
+        tensors["face_probs"] = torch.stack(probs) if probs else torch.zeros(0, MAX_FACES)
+        tensors["face_count"] = torch.tensor(counts, dtype=torch.int32)
+    if enc.article is not None:
+        a = enc.article
+        tensors["article"] = torch.cat(art_states) if art_states else torch.zeros(0, a.num_layers, a.dim, dtype=dtype)
+        tensors["article_ids"] = torch.cat(art_ids) if art_ids else torch.zeros(0, dtype=torch.int32)
+        tensors["article_offsets"] = torch.tensor([0, *torch.tensor(art_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+    return {k: v.contiguous() for k, v in tensors.items()}, ids, skipped
+
+
+def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, cfg: FeatureConfig | None = None,
+                     *, overwrite: bool = False, progress: bool = True,
+                     log: Callable[[str], None] | None = None) -> dict:
+    """Encode ``items`` into shards under ``out_dir`` (resuming a previous run); returns the summary."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    cfg = cfg or FeatureConfig()
+    if cfg.shard_size < 1 or cfg.batch_size < 1:
+        raise TellkitError("shard_size and batch_size must be positive")
+    if cfg.dtype not in ("float16", "float32", "bfloat16"):
+        raise TellkitError(f"dtype must be float16, float32 or bfloat16, not {cfg.dtype!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    header = {"version": FORMAT_VERSION, "config": cfg.identity(), "n_items": len(items), "ids_sha1": _ids_hash(items)}
+    index_path = out / "features.json"
+    if index_path.exists() and not overwrite:
+        old = json.loads(index_path.read_text(encoding="utf-8"))
+        if {k: old.get(k) for k in header} != header:
+            raise TellkitError(f"{out} holds features of another configuration or item list; "
+                               "use another output folder or --overwrite")
+    if overwrite:
+        for f in out.glob("shard-*.safetensors"):
+            f.unlink()
+    index_path.write_text(json.dumps(header, indent=2), encoding="utf-8")
+
+    n_shards = (len(items) + cfg.shard_size - 1) // cfg.shard_size
+    done = {k: _read_meta(_shard_path(out, k)) for k in range(n_shards) if _shard_path(out, k).exists()}
+    done = {k: m for k, m in done.items() if m is not None}
+    already = sum(min(cfg.shard_size, len(items) - k * cfg.shard_size) for k in done)
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(items), initial=already, unit="img", desc="features", disable=not progress, dynamic_ncols=True)
+    say = log or (lambda msg: tqdm.write(msg))
+
+    def on_item(item: FeatureItem, error: str | None) -> None:
+        if error:
+            say(f"skipped {item.id}: {error}")
+        bar.update(1)
+
+    encoders = None
+    written = 0
+    encoded_now = 0
+    encode_seconds = 0.0  # time spent encoding (model loading excluded)
+    try:
+        for k in range(n_shards):
+            if k in done:
+                continue
+            encoders = encoders or _Encoders(cfg)
+            chunk = items[k * cfg.shard_size:(k + 1) * cfg.shard_size]
+            t1 = time.perf_counter()
+            tensors, ids, skipped = _encode_shard(chunk, encoders, cfg, on_item)
+            encode_seconds += time.perf_counter() - t1
+            path = _shard_path(out, k)
+            tmp = path.with_suffix(".tmp")
+            save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids), "skipped": json.dumps(skipped)})
+            os.replace(tmp, path)
+            done[k] = {"ids": ids, "skipped": skipped}
+            written += 1
+            encoded_now += len(ids)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    skipped_all = [s for k in sorted(done) for s in done[k]["skipped"]]
+    summary = {
+        "items": len(items),
+        "encoded": sum(len(m["ids"]) for m in done.values()),
+        "skipped": len(skipped_all),
+        "skipped_by_reason": dict(Counter(s["reason"] for s in skipped_all)),
+        "skipped_items": skipped_all,
+        "shards": n_shards,
+        "shards_written": written,
+        "shards_reused": n_shards - written,
+        "seconds": round(seconds, 3),
+        "seconds_per_image": round(encode_seconds / encoded_now, 4) if encoded_now else None,
+    }
+    index_path.write_text(json.dumps({**header, "summary": summary}, indent=2), encoding="utf-8")
+    return summary
+
+
+# --- reading -------------------------------------------------------------------------------
+
+class FeatureStore:
+    """Read-only access to a folder written by :func:`extract_features`, by item id."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.dir = Path(directory)
+        index = self.dir / "features.json"
+        if not index.is_file():
+            raise TellkitError(f"{self.dir}: no features.json (not written by `tellkit features`)")
+        self.header = json.loads(index.read_text(encoding="utf-8"))
+        self.config = self.header["config"]
+        self._where: dict[str, tuple[Path, int]] = {}
+        self.skipped: list[dict] = []
+        for path in sorted(self.dir.glob("shard-*.safetensors")):
+            meta = _read_meta(path)
+            if meta is None:
+                raise TellkitError(f"{path}: unreadable feature shard")
+            for row, item_id in enumerate(meta["ids"]):
+                self._where[item_id] = (path, row)
+            self.skipped += meta["skipped"]
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, item_id: str) -> bool:
+        return item_id in self._where
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._where)
+
+    def __getitem__(self, item_id: str) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        if item_id not in self._where:
+            raise KeyError(item_id)
+        path, row = self._where[item_id]
+        out: dict[str, torch.Tensor] = {}
+        with safe_open(str(path), "pt") as f:
+            keys = set(f.keys())
+            def row_of(name):
+                return f.get_slice(name)[row:row + 1][0]
+
+            out["image"] = row_of("image").float()
+            out["image_mask"] = torch.ones(out["image"].shape[0], dtype=torch.bool)
+            if "faces" in keys:
+                n = int(row_of("face_count"))
+                out["faces"] = row_of("faces")[:n].float()
+                out["face_boxes"] = row_of("face_boxes")[:n]
+                out["face_probs"] = row_of("face_probs")[:n]
+            if "article" in keys:
+                s, e = (int(v) for v in f.get_slice("article_offsets")[row:row + 2])
+                out["article"] = f.get_slice("article")[s:e].float().transpose(0, 1).contiguous()  # [layers, L, D]
+                out["article_mask"] = torch.ones(e - s, dtype=torch.bool)
+                out["article_ids"] = f.get_slice("article_ids")[s:e].long()
+        return out
+
+    def items(self) -> Iterable[tuple[str, dict[str, torch.Tensor]]]:
+        for item_id in self._where:
+            yield item_id, self[item_id]

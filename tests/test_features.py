@@ -1,0 +1,121 @@
+"""`tellkit features`: shards on disk, skipped unreadable images, resumption, the reader."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from tellkit.cli import main
+from tellkit.encoders import features as FT
+from tellkit.encoders.features import FeatureStore
+
+skdata = pytest.importorskip("skimage.data")
+FIX = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture()
+def image_dir(tmp_path):
+    """Five real photos (small, to keep the test fast), one non-image, one truncated JPEG."""
+    d = tmp_path / "imgs"
+    (d / "sub").mkdir(parents=True)
+    for name in ("astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg"):
+        img = Image.open(os.path.join(skdata.data_dir, name)).convert("RGB")
+        img.resize((img.width // 2, img.height // 2)).save(d / f"{Path(name).stem}.jpg", quality=90)
+    Image.open(os.path.join(skdata.data_dir, "camera.png")).resize((256, 256)).save(d / "sub" / "camera.png")
+    (d / "notes.jpg").write_text("not an image")
+    data = (d / "rocket.jpg").read_bytes()
+    (d / "broken.jpg").write_bytes(data[: len(data) // 3])
+    return d
+
+
+def _run(*argv) -> int:
+    return main(["features", *map(str, argv), "--no-progress", "--shard-size", "3", "--batch-size", "2"])
+
+
+def test_folder_to_shards_with_skips(image_dir, tmp_path, capsys):
+    out = tmp_path / "feats"
+    assert _run(out, "--images", image_dir) == 0
+    printed = capsys.readouterr()
+    assert "features: 5 of 7 images" in printed.out
+    assert "skipped: 2 (1 corrupt or truncated, 1 not an image)" in printed.out
+    assert "skipped broken" in printed.err and "skipped notes" in printed.err
+    summary = json.loads((out / "features.json").read_text())["summary"]
+    assert summary["skipped_by_reason"] == {"corrupt or truncated": 1, "not an image": 1}
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"]
+
+    store = FeatureStore(out)
+    assert sorted(store.ids) == ["astronaut", "chelsea", "coffee", "rocket", "sub/camera"]
+    assert {s["id"] for s in store.skipped} == {"broken", "notes"}
+    x = store["astronaut"]
+    assert x["image"].shape == (49, 1280) and x["image_mask"].all()
+    assert x["faces"].shape == (1, 512) and x["face_boxes"].shape == (1, 4)
+    assert store["coffee"]["faces"].shape == (0, 512)
+    # stored grids are the encoder's output (float16 storage)
+    from tellkit.encoders.image import build_image_encoder
+    from tellkit.encoders.preprocess import load_image
+
+    direct, _ = build_image_encoder().encode([load_image(image_dir / "chelsea.jpg")])
+    assert torch.allclose(store["chelsea"]["image"], direct[0], atol=2e-2, rtol=1e-2)
+
+
+def test_interrupted_run_resumes(image_dir, tmp_path, monkeypatch, capsys):
+    clean = tmp_path / "clean"
+    assert _run(clean, "--images", image_dir, "--no-faces") == 0
+    out = tmp_path / "resumed"
+    real = FT._encode_shard
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(FT, "_encode_shard", flaky)
+    assert _run(out, "--images", image_dir, "--no-faces") == 130  # interrupted
+    assert [p.name for p in out.glob("shard-*.safetensors")] == ["shard-00000.safetensors"]
+    monkeypatch.setattr(FT, "_encode_shard", real)
+    (out / "shard-00001.tmp").write_bytes(b"half-written garbage")  # left by a killed process
+    capsys.readouterr()
+    assert _run(out, "--images", image_dir, "--no-faces") == 0
+    summary = json.loads((out / "features.json").read_text())["summary"]
+    assert (summary["shards_reused"], summary["shards_written"]) == (1, 2)
+    a, b = FeatureStore(clean), FeatureStore(out)
+    assert sorted(a.ids) == sorted(b.ids)
+    for i in a.ids:
+        assert torch.equal(a[i]["image"], b[i]["image"])
+    # a different configuration in the same folder is refused, unless --overwrite
+    assert _run(out, "--images", image_dir, "--no-faces", "--dtype", "float32") == 2
+    assert "another configuration" in capsys.readouterr().err
+    assert _run(out, "--images", image_dir, "--no-faces", "--dtype", "float32", "--overwrite") == 0
+
+
+def test_dataset_with_article_states_and_copy_ids(tmp_path):
+    out = tmp_path / "nyt"
+    assert _run(out, "--format", "nytimes800k", "--root", FIX / "nytimes" / "nytimes_tiny.archive.gz",
+                "--article", "--no-faces") == 0
+    store = FeatureStore(out)
+    assert len(store) == 3
+    from tellkit.encoders.tokenizer import CaptionTokenizer
+
+    cap = CaptionTokenizer.load()
+    for item_id, x in store.items():
+        n_layers, L, D = x["article"].shape
+        assert (n_layers, D) == (7, 384) and x["article_mask"].shape == (L,) == x["article_ids"].shape
+        assert x["article_ids"][0] == -1 and x["article_ids"][-1] == -1  # [CLS], [SEP]
+        text = cap.decode([i for i in x["article_ids"].tolist() if i >= 0])
+        assert len(text.split()) > 5
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
+    assert _run(tmp_path / "o", "--images", tmp_path / "missing") == 2
+    assert "no such folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert _run(tmp_path / "o", "--images", tmp_path / "empty") == 2
+    assert "no images found" in capsys.readouterr().err
+    assert _run(tmp_path / "o", "--format", "goodnews") == 2
+    assert "--root" in capsys.readouterr().err

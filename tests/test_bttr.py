@@ -164,6 +164,7 @@ def test_beam_one_without_rescoring_is_greedy(which, fitted):
 
 
 @pytest.mark.parametrize("i", [0, 1, 2])
+@torch.no_grad()
 def test_rescoring_uses_the_opposite_direction(fitted, i):
     m = fitted
     x = images()[i][None]

@@ -60,28 +60,34 @@ class _BodyLimit:
             if n > self.max_bytes:
                 return await _send_error(send, too_big)
         seen = 0
-        started = False
+        started = exceeded = False
 
         async def counting_receive():
-            nonlocal seen
+            nonlocal seen, exceeded
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
                 if seen > self.max_bytes:
+                    exceeded = True
                     raise _TooLarge()
             return msg
 
-        async def tracking_send(msg):
+        async def guarded_send(msg):
+            # once the body is over the limit, whatever the app answers (a parse error) is
+            # replaced by the 413 below
             nonlocal started
+            if exceeded and not started:
+                return
             if msg["type"] == "http.response.start":
                 started = True
             await send(msg)
 
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            await self.app(scope, counting_receive, guarded_send)
         except _TooLarge:
-            if not started:
-                await _send_error(send, too_big)
+            pass
+        if exceeded and not started:
+            await _send_error(send, too_big)
 
 
 class _TooLarge(Exception):

@@ -1,0 +1,324 @@
+"""Serving API: good inputs through the tiny untrained models (real offline encoders), every bad
+input, oversize bodies/images/articles, wrong types, batching of concurrent requests, timeouts,
+a full queue, isolation of a failing input, checkpoint loading and the CLI's refusals."""
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+pytest.importorskip("fastapi")
+pytest.importorskip("multipart")
+from fastapi.testclient import TestClient  # noqa: E402
+
+from tellkit.errors import TellkitError  # noqa: E402
+from tellkit.server.app import create_app  # noqa: E402
+from tellkit.server.backends import BTTRMathRecognizer, TransformAndTellCaptioner  # noqa: E402
+from tellkit.server.limits import Limits  # noqa: E402
+from tellkit.server.runner import ServerThread, free_port, post  # noqa: E402
+
+ARTICLE = "Mayor Anne Hidalgo of Paris opened the new bridge over the Seine on Monday, officials said."
+
+
+def png(w=96, h=72, mode="RGB", color=None) -> bytes:
+    if color is not None:
+        im = Image.new(mode, (w, h), color)
+    else:
+        a = np.linspace(0, 255, w * h * 3, dtype=np.float32).reshape(h, w, 3).astype("uint8")
+        im = Image.fromarray(a).convert(mode)
+    b = io.BytesIO()
+    im.save(b, "PNG")
+    return b.getvalue()
+
+
+def expression_png() -> bytes:
+    im = Image.new("RGB", (160, 64), "white")
+    d = ImageDraw.Draw(im)
+    d.line((20, 32, 70, 32), fill="black", width=4)
+    d.line((45, 10, 45, 54), fill="black", width=4)
+    d.ellipse((95, 15, 135, 50), outline="black", width=4)
+    b = io.BytesIO()
+    im.save(b, "PNG")
+    return b.getvalue()
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return TransformAndTellCaptioner.untrained(), BTTRMathRecognizer.untrained()
+
+
+@pytest.fixture(scope="module")
+def client(backends):
+    app = create_app(*backends, Limits(max_upload_bytes=300_000, max_image_pixels=400_000, max_article_chars=2_000))
+    with TestClient(app) as c:
+        yield c
+
+
+# --- good inputs --------------------------------------------------------------------------------
+def test_health_says_which_models_and_that_they_are_untrained(client):
+    h = client.get("/health").json()
+    assert h["status"] == "ok"
+    assert h["models"]["caption"]["name"] == "transform_and_tell" and h["models"]["caption"]["trained"] is False
+    assert h["models"]["math"]["name"] == "bttr" and h["models"]["math"]["trained"] is False
+    assert h["limits"]["max_upload_bytes"] == 300_000
+    assert set(h["workers"]) == {"caption", "math"}
+
+
+def test_openapi_schema_published_and_no_cdn_docs(client):
+    schema = client.get("/openapi.json").json()
+    assert {"/health", "/api/caption", "/api/recognize"} <= set(schema["paths"])
+    assert client.get("/docs").status_code == 404  # Swagger UI would load from a CDN
+    page = client.get("/")
+    assert page.status_code == 200 and "/static/vendor/katex/katex.min.js" in page.text
+    assert "cdn" not in page.text.lower() and "https://" not in page.text
+    assert client.get("/static/vendor/katex/katex.min.js").status_code == 200
+
+
+def test_caption_with_article_returns_attention_over_every_context(client):
+    r = client.post("/api/caption", files={"image": ("a.png", png(), "image/png")}, data={"article": ARTICLE})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["model"]["trained"] is False
+    assert res["tokens"], "the tiny model always emits at least one token (min_len=1)"
+    assert res["caption"] == "".join(t["text"] for t in res["tokens"]).strip()
+    rows, cols = res["grid"]["rows"], res["grid"]["cols"]
+    assert rows * cols == 49  # MobileNetV2 7x7 grid at 224 px
+    x0, y0, x1, y1 = res["grid"]["box"]
+    assert 0 <= x0 < x1 <= 96 + 0.5 and 0 <= y0 < y1 <= 72 + 0.5
+    assert res["article_text"] == ARTICLE
+    words = [t for t in res["article_tokens"] if t["end"] > t["start"]]
+    assert [ARTICLE[t["start"]:t["end"]].lower() for t in words[:3]] == ["mayor", "anne", "hidalgo"]
+    for tok in res["tokens"]:
+        att = tok["attention"]
+        assert len(att["image"]) == rows * cols
+        assert len(att["article"]) == len(res["article_tokens"])
+        assert len(att["faces"]) == len(res["faces"])
+        for name in ("image", "article"):
+            # a zero-attention slot takes part of the mass, so each sums to at most 1
+            assert all(w >= 0 for w in att[name]) and 0 < sum(att[name]) <= 1 + 1e-3
+
+
+def test_caption_without_article_and_jpeg(client):
+    im = Image.open(io.BytesIO(png(80, 120))).convert("RGB")
+    b = io.BytesIO()
+    im.save(b, "JPEG")
+    r = client.post("/api/caption", files={"image": ("a.jpg", b.getvalue(), "image/jpeg")})
+    assert r.status_code == 200, r.text
+    assert r.json()["article_text"] == "" and r.json()["image_size"] == [80, 120]
+
+
+def test_recognize_returns_latex(client):
+    r = client.post("/api/recognize", files={"image": ("e.png", expression_png(), "image/png")})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["latex"] == " ".join(res["tokens"]) and res["tokens"]
+    assert res["model"]["name"] == "bttr"
+
+
+# --- bad inputs ---------------------------------------------------------------------------------
+def _err(r, status, code):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["error"] == code and body["detail"], body
+    return body
+
+
+@pytest.mark.parametrize("endpoint", ["/api/caption", "/api/recognize"])
+def test_bad_files(client, endpoint):
+    _err(client.post(endpoint, files={"image": ("a.txt", b"hello", "text/plain")}), 415, "unsupported_media_type")
+    _err(client.post(endpoint, files={"image": ("a.png", b"not a png at all", "image/png")}), 415, "not_an_image")
+    _err(client.post(endpoint, files={"image": ("a.png", b"", "image/png")}), 400, "empty_file")
+    _err(client.post(endpoint, files={"image": ("a.png", png()[:200], "image/png")}), 400, "corrupt_image")
+    tiff = io.BytesIO()
+    Image.new("RGB", (32, 32), "white").save(tiff, "TIFF")
+    _err(client.post(endpoint, files={"image": ("a.tif", tiff.getvalue(), "image/tiff")}), 415, "unsupported_image_format")
+    _err(client.post(endpoint, files={"image": ("a.png", png(4, 4), "image/png")}), 422, "image_too_small")
+    _err(client.post(endpoint, data={"article": "no image"}), 422, "invalid_request")
+
+
+def test_oversize(client):
+    # pixels: a 1000x1000 white PNG is a few KiB on the wire but over the 400,000-pixel cap
+    body = _err(client.post("/api/caption", files={"image": ("big.png", png(1000, 1000, color="white"), "image/png")}),
+                413, "image_too_large")
+    assert "400,000" in body["detail"]
+    # body bytes, announced by Content-Length
+    _err(client.post("/api/caption", files={"image": ("a.png", b"\x89PNG" + b"0" * 400_000, "image/png")}),
+         413, "request_too_large")
+    # body bytes, streamed without Content-Length (chunked)
+    from tellkit.server.runner import encode_multipart
+
+    data, ctype = encode_multipart(files={"image": ("a.png", b"0" * 400_000, "image/png")})
+    r = client.post("/api/caption", content=iter([data[i:i + 65536] for i in range(0, len(data), 65536)]),
+                    headers={"Content-Type": ctype})
+    _err(r, 413, "request_too_large")
+    # article length
+    _err(client.post("/api/caption", files={"image": ("a.png", png(), "image/png")}, data={"article": "x" * 2001}),
+         413, "article_too_long")
+    _err(client.post("/api/caption", files={"image": ("a.png", png(), "image/png")}, data={"article": "a\x00b"}),
+         422, "bad_article")
+
+
+def test_blank_expression_is_a_clear_422(client):
+    body = _err(client.post("/api/recognize", files={"image": ("b.png", png(120, 60, color="white"), "image/png")}),
+                422, "bad_input")
+    assert "no ink" in body["detail"]
+
+
+def test_unknown_route_and_method(client):
+    _err(client.get("/api/nothing"), 404, "not_found")
+    _err(client.get("/api/caption"), 405, "method_not_allowed")
+
+
+def test_model_not_loaded_is_503(backends):
+    with TestClient(create_app(None, backends[1], serve_page=False)) as c:
+        assert c.get("/health").json()["models"]["caption"] is None
+        _err(c.post("/api/caption", files={"image": ("a.png", png(), "image/png")}), 503, "model_not_loaded")
+
+
+# --- batching, timeouts, queue, isolation (a controllable backend over a real socket) -------------
+class SlowEcho:
+    """Records the size of every group it is called with; 'fail' images raise a user error."""
+
+    def __init__(self, delay=0.3):
+        self.delay, self.calls = delay, []
+        self.info = {"name": "slow-echo", "trained": False, "checkpoint": None}
+
+    def recognize(self, images):
+        self.calls.append(len(images))
+        time.sleep(self.delay)
+        if any(im.width == 77 for im in images):
+            raise TellkitError("an image 77 pixels wide is refused by this test backend")
+        return [{"latex": f"w {im.width}", "tokens": ["w", str(im.width)], "score": 0.0} for im in images]
+
+
+def _concurrently(fn, n):
+    out = [None] * n
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fn(i))) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_concurrent_requests_share_forward_passes():
+    be = SlowEcho(delay=0.4)
+    app = create_app(None, be, max_batch=8, max_wait_ms=50, serve_page=False)
+    with ServerThread(app) as srv:
+        res = _concurrently(lambda i: post(srv.url + "/api/recognize",
+                                           files={"image": ("x.png", png(40 + i, 30), "image/png")}), 6)
+        stats = json.loads(urllib.request.urlopen(srv.url + "/health").read())["workers"]["math"]
+    assert [s for s, _ in res] == [200] * 6
+    assert sorted(b["latex"] for _, b in res) == sorted(f"w {40 + i}" for i in range(6))  # each got its own answer
+    assert sum(be.calls) == 6 and len(be.calls) < 6, be.calls
+    assert stats["max_batch_seen"] == max(be.calls) > 1 and stats["items"] == 6
+
+
+def test_one_bad_input_does_not_fail_its_batch():
+    be = SlowEcho(delay=0.2)
+    app = create_app(None, be, max_batch=4, max_wait_ms=100, serve_page=False)
+    with ServerThread(app) as srv:
+        res = _concurrently(lambda i: post(srv.url + "/api/recognize",
+                                           files={"image": ("x.png", png(77 if i == 1 else 50, 30), "image/png")}), 3)
+    codes = [s for s, _ in res]
+    assert codes[1] == 422 and "77 pixels" in res[1][1]["detail"]
+    assert codes[0] == codes[2] == 200
+
+
+def test_timeout_is_504_and_queue_full_is_503():
+    be = SlowEcho(delay=1.0)
+    app = create_app(None, be, Limits(request_timeout_s=0.3, max_queue=1), max_batch=1, max_wait_ms=0, serve_page=False)
+    with ServerThread(app) as srv:
+        s, b = post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")})
+        assert (s, b["error"]) == (504, "timeout")
+        time.sleep(1.0)  # let the worker finish the abandoned item
+        res = _concurrently(lambda i: post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")}), 4)
+        codes = sorted(s for s, _ in res)
+        assert 503 in codes and all(c in (503, 504) for c in codes), res
+        assert any(b["error"] == "busy" for s, b in res if s == 503)
+
+
+# --- checkpoints: only the configured ones; trained or not is reported -----------------------------
+def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch):
+    from tellkit.checkpoint import save_model
+    from tellkit.server import backends as B
+
+    cap, _ = backends
+    save_model(cap.model, tmp_path / "tat", extra={"task": "captioning", "train": {"lr": 1e-3}})
+    enc = {"image_encoder": cap.image_encoder, "article_encoder": cap.article_encoder}
+    if cap.face_encoder is not None:
+        enc["face_encoder"] = cap.face_encoder
+    monkeypatch.setattr(B, "build_encoders", lambda contexts, names: enc)
+    loaded = TransformAndTellCaptioner.load(tmp_path / "tat")
+    assert loaded.info["trained"] is True and loaded.info["checkpoint"] == str(tmp_path / "tat")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), cap.model.state_dict().values()))
+
+    from tellkit.registry import create_model
+
+    bad = create_model("tat/tiny", image_dim=16, article_dim=384, article_layers=7, contexts=["image", "article"])
+    save_model(bad, tmp_path / "bad")
+    with pytest.raises(TellkitError, match="image_dim=16"):
+        TransformAndTellCaptioner.load(tmp_path / "bad")
+
+    bttr = create_model("bttr/tiny")
+    save_model(bttr, tmp_path / "bttr")
+    rec = BTTRMathRecognizer.load(tmp_path / "bttr")
+    assert rec.info["trained"] is False and rec.info["checkpoint"] == str(tmp_path / "bttr")
+
+
+def test_request_cannot_choose_a_checkpoint(client):
+    schemas = client.get("/openapi.json").json()["components"]["schemas"]
+    bodies = {k: set(v.get("properties", {})) for k, v in schemas.items() if k.startswith("Body_")}
+    assert len(bodies) == 2 and set().union(*bodies.values()) == {"image", "article"}, bodies
+
+
+# --- the command line -------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv, msg", [
+    (["--checkpoint", "weights=/tmp"], "caption=DIR or math=DIR"),
+    (["--untrained", "--checkpoint", "math=/tmp"], "do not combine"),
+    (["--checkpoint", "math=/nonexistent/dir"], "not a directory"),
+    (["--models", "video"], "--models"),
+    (["--max-batch", "0"], "--max-batch"),
+])
+def test_cli_refusals_are_one_line(argv, msg, capsys):
+    from tellkit.cli import main
+
+    assert main(["serve", "--api-only", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_serves_on_localhost_by_default():
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tellkit", "serve", "--untrained", "--models", "math",
+                             "--port", str(port)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        health = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read())
+                break
+            except OSError:
+                time.sleep(0.3)
+        assert health is not None, proc.stderr.read() if proc.poll() is not None else "no answer in 60 s"
+        assert health["models"]["caption"] is None and health["models"]["math"]["trained"] is False
+        s, b = post(f"http://127.0.0.1:{port}/api/recognize", files={"image": ("e.png", expression_png(), "image/png")})
+        assert s == 200 and b["latex"]
+    finally:
+        proc.terminate()
+        try:
+            out = proc.communicate(timeout=15)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[1]
+    assert "UNTRAINED" in out and f"http://127.0.0.1:{port}/" in out

@@ -68,7 +68,7 @@ def test_trains_logs_and_saves(tmp_path):
     saved = yaml_load(tmp_path / "run" / "config.yaml")
     assert saved["train"]["betas"] == [0.9, 0.98] and saved["train"]["lr"] == 0.05  # defaults resolved
     meta = json.loads((tmp_path / "run" / "checkpoints" / "best" / "config.json").read_text())
-    assert meta["task"] == "toy" and meta["family"] == "toy_lm" and meta["recipe"]["train"]["max_epochs"] == 6
+    assert meta["task"] == "toy" and meta["family"] == "toy_lm" and meta["train"]["max_epochs"] == 6
     assert (tmp_path / "run" / "tensorboard").is_dir()
     with pytest.raises(TellkitError, match="already holds a run"):
         run(r, tmp_path / "run")

@@ -1,7 +1,7 @@
 """`tellkit evaluate CHECKPOINT --data PATH --split test [--out DIR]`.
 
-The checkpoint's ``config.json`` names its ``task`` and carries the rest of the training recipe
-under ``recipe`` (data, eval, train, encoders ...; written by ``tellkit train``); ``--data`` replaces ``data.root``, ``key=value``
+The checkpoint's ``config.json`` names its ``task`` and carries the other sections of the training
+recipe (data, eval, train, encoders ...; written by ``tellkit train``); ``--data`` replaces ``data.root``, ``key=value``
 overrides change anything else (e.g. ``eval.beam_size=4``). Writes ``metrics_<split>.json`` and
 ``predictions_<split>.jsonl``. Works under ``torchrun`` too (predictions gathered, scored once).
 """
@@ -54,7 +54,8 @@ def run(args) -> int:
     meta = read_checkpoint_config(ckpt)
     if not meta.get("task"):
         raise TellkitError(f"{ckpt}: the checkpoint does not name its task (it was not written by `tellkit train`)")
-    recipe = {**(meta.get("recipe") or {}), "task": meta["task"], "model": {"name": meta["family"], **meta["config"]}}
+    skip = {"format_version", "family", "config", "tellkit_version"}
+    recipe = {**{k: v for k, v in meta.items() if k not in skip}, "model": {"name": meta["family"], **meta["config"]}}
     for section in ("data", "eval", "train"):
         recipe[section] = dict(recipe.get(section) or {})
     if args.data:

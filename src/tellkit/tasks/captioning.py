@@ -95,19 +95,15 @@ class Featurizer:
 
     @torch.no_grad()
     def articles(self, texts: list[str]) -> list[dict[str, Any]]:
-        """Per text: hidden [layers, L, D], caption ids [L], token strings. "" -> L = 0."""
+        """Per text: hidden [layers, L, D], caption ids [L], token strings. An empty text is
+        encoded too (its special tokens only), as the feature extractor and the server do."""
         enc = self.article_encoder
-        out: list[dict[str, Any]] = [{}] * len(texts)
-        real = [i for i, t in enumerate(texts) if t.strip()]
-        if real:
-            res = enc.encode([texts[i] for i in real], max_tokens=self.max_article_tokens)
-            ids = enc.caption_ids([texts[i] for i in real], res["offsets"])
-            for j, i in enumerate(real):
-                n = int(res["mask"][j].sum())
-                out[i] = {"hidden": res["hidden"][j, :, :n].cpu(), "ids": ids[j, :n], "tokens": res["tokens"][j]}
-        for i, t in enumerate(texts):
-            if not t.strip():
-                out[i] = {"hidden": torch.zeros(enc.num_layers, 0, enc.dim), "ids": torch.zeros(0, dtype=torch.long), "tokens": []}
+        res = enc.encode(texts, max_tokens=self.max_article_tokens)
+        ids = enc.caption_ids(texts, res["offsets"])
+        out = []
+        for j in range(len(texts)):
+            n = int(res["mask"][j].sum())
+            out.append({"hidden": res["hidden"][j, :, :n].cpu(), "ids": ids[j, :n], "tokens": res["tokens"][j]})
         return out
 
 

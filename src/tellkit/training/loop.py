@@ -311,9 +311,13 @@ def _train(recipe, cfg: TrainConfig, run_dir: Path, dist, log, resume, task, sav
         train_csv = _CsvLog(run_dir / "train_log.csv", TRAIN_COLUMNS, keep)
         eval_csv = _CsvLog(run_dir / "eval_log.csv", EVAL_COLUMNS, keep)
         tb = _tensorboard(run_dir, log)
-    # everything but the model section (which config.json holds already): task, data, eval, train,
-    # encoders ... so that `tellkit evaluate` / `caption` can rebuild the task from the checkpoint
-    extra = {"task": task.name, "recipe": {k: v for k, v in resolved.items() if k != "model"}}
+    # every section but the model (which config.json holds already): task, data, eval, train,
+    # encoders ... at the top level of config.json, so `tellkit evaluate` / `caption` / `serve`
+    # can rebuild the task and its encoders from the checkpoint alone
+    reserved = {"format_version", "family", "config", "tellkit_version"} & set(resolved)
+    if reserved:
+        raise TellkitError(f"recipe sections {sorted(reserved)} clash with checkpoint metadata names")
+    extra = {**{k: v for k, v in resolved.items() if k != "model"}, "task": task.name}
 
     def trainer_state() -> dict[str, Any]:
         return {**st, "schedule": schedule.state_dict(), "scaler": scaler.state_dict() if scaler else None}

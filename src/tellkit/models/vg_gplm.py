@@ -301,8 +301,12 @@ class VGGPLM(nn.Module, PretrainedMixin):
         gen_cfg.update(
             num_beams=beam_size, max_new_tokens=max_len, min_new_tokens=min_len, max_length=None,
             no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty, do_sample=False,
-            early_stopping=True, num_return_sequences=1, output_scores=False, return_dict_in_generate=False,
+            early_stopping=beam_size > 1, num_return_sequences=1, output_scores=False, return_dict_in_generate=False,
         )
+        if not self.is_t5 and getattr(gen_cfg, "forced_bos_token_id", None) is None:
+            # BART summarizers start with <s> (bart-base's forced_bos_token_id = 0; transformers 5
+            # no longer carries it in the model config); the training labels start with <s> too
+            gen_cfg.forced_bos_token_id = self.backbone.config.bos_token_id
         with self.video_context(batch):
             seqs = self.backbone.generate(
                 input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), generation_config=gen_cfg

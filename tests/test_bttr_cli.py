@@ -57,6 +57,14 @@ def test_train_evaluate_recognize_cli(tmp_path, capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["image"] == img and isinstance(res["latex"], str) and len(res["tokens"]) <= 6
 
+    # the compact (float16) export used for the packaged default model gives the same answer
+    from tellkit.tasks.recognition import export_checkpoint
+
+    export_checkpoint(run / "checkpoints" / "best", tmp_path / "small")
+    assert main(["recognize", img, "--model", str(tmp_path / "small"), "--json", "--beam-size", "2", "--max-len", "6"]) == 0
+    res16 = json.loads(capsys.readouterr().out)
+    assert res16["tokens"] == res["tokens"] and abs(res16["score"] - res["score"]) < 0.05
+
     bad = tmp_path / "bad.png"
     bad.write_text("not an image")
     assert main(["recognize", str(bad), "--model", str(run)]) == 2

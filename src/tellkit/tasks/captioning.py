@@ -39,6 +39,8 @@ from tellkit.tasks import register_task
 from tellkit.tasks.base import Task
 
 PACKAGED_MINILM = ("all-MiniLM-L6-v2", "minilm", None)
+# the default captioning model (`tellkit caption` / `tellkit demo` without --checkpoint)
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "default_caption"
 
 
 # --- frozen encoders ------------------------------------------------------------------------

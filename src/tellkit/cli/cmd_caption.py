@@ -1,0 +1,81 @@
+"""`tellkit caption --image IMG [--article TXT] [--checkpoint DIR] [--json]`: caption one image.
+
+Without ``--checkpoint`` the packaged default model is used. ``--json`` prints the caption with
+the detected faces and, for every generated token, its attention (mean over heads and layers)
+over the image grid cells, the article tokens and the faces. Bad input (missing, corrupt or
+truncated image, a directory, a huge image, an empty or non-UTF-8 article) is a one-line error
+with exit status 2.
+"""
+from __future__ import annotations
+
+NAME = "caption"
+HELP = "caption an image (optionally with its article) with a Transform and Tell checkpoint"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--image", required=True, help="the image file (JPEG, PNG, ...)")
+    p.add_argument("--article", help="a UTF-8 text file with the article (title and paragraphs)")
+    p.add_argument("--checkpoint", help="checkpoint or run folder (default: the packaged default model)")
+    p.add_argument("--json", action="store_true", help="print JSON: caption, faces, per-token attention")
+    p.add_argument("--beam-size", type=int, default=1, help="1 = greedy (the reference's decoding)")
+    p.add_argument("--max-len", type=int, default=None, help="most caption tokens (default: the model's)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+
+
+def read_article(path: str) -> str:
+    from pathlib import Path
+
+    from tellkit.errors import TellkitError
+
+    p = Path(path)
+    if not p.exists():
+        raise TellkitError(f"{p}: article not found")
+    if p.is_dir():
+        raise TellkitError(f"{p}: is a directory, expected a text file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TellkitError(f"{p}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise TellkitError(f"{p}: cannot read ({exc.strerror})") from None
+    text = text.lstrip("\ufeff")
+    if not text.strip():
+        raise TellkitError(f"{p}: the article is empty")
+    return text
+
+
+def resolve_default(checkpoint: str | None):
+    from tellkit.errors import TellkitError
+    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT
+
+    if checkpoint:
+        return checkpoint
+    if not (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
+        raise TellkitError("no default captioning model is installed; pass --checkpoint DIR "
+                           "(train one: tellkit train configs/tat/flickr8k_small.yaml)")
+    return str(DEFAULT_CHECKPOINT)
+
+
+def run(args) -> int:
+    import json
+
+    from tellkit.encoders.preprocess import load_image
+    from tellkit.errors import TellkitError
+
+    if args.beam_size < 1 or (args.max_len is not None and args.max_len < 1):
+        raise TellkitError("--beam-size and --max-len must be at least 1")
+    # check every input before the (slow) model and encoders load
+    image = load_image(args.image)
+    article = read_article(args.article) if args.article else ""
+    checkpoint = resolve_default(args.checkpoint)
+
+    from tellkit.server.backends import TransformAndTellCaptioner
+
+    captioner = TransformAndTellCaptioner.load(checkpoint, device=args.device, beam_size=args.beam_size, max_len=args.max_len)
+    result = captioner.caption([(image, article)])[0]
+    if args.json:
+        print(json.dumps({"image": args.image, "article": args.article, "checkpoint": checkpoint,
+                          "model": captioner.info, **result}, ensure_ascii=False))
+    else:
+        print(result["caption"])
+    return 0

@@ -1,0 +1,64 @@
+"""`tellkit caption`: one-line errors for bad input, and JSON with faces and attention from a
+tiny (untrained) Transform and Tell over the real offline encoders."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tellkit.cli import main
+
+DEMO = Path(__file__).resolve().parents[1] / "src" / "tellkit" / "assets" / "demo_caption"
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("tellkit caption: error:"), err
+    return err
+
+
+def test_bad_inputs_fail_with_one_line(tmp_path, capsys, monkeypatch):
+    img = str(DEMO / "astronaut.jpg")
+    assert "not found" in one_line_error(capsys, ["caption", "--image", str(tmp_path / "nope.jpg")])
+    assert "directory" in one_line_error(capsys, ["caption", "--image", str(tmp_path)])
+    (tmp_path / "noise.jpg").write_bytes(b"\x00\x01 not an image" * 10)
+    assert "not an image" in one_line_error(capsys, ["caption", "--image", str(tmp_path / "noise.jpg")])
+    data = (DEMO / "astronaut.jpg").read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(data[: len(data) // 2])
+    assert "truncated" in one_line_error(capsys, ["caption", "--image", str(tmp_path / "cut.jpg")])
+    monkeypatch.setenv("TELLKIT_MAX_IMAGE_PIXELS", "10000")
+    assert "pixels" in one_line_error(capsys, ["caption", "--image", img])
+    monkeypatch.delenv("TELLKIT_MAX_IMAGE_PIXELS")
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    assert "empty" in one_line_error(capsys, ["caption", "--image", img, "--article", str(tmp_path / "empty.txt")])
+    (tmp_path / "latin1.txt").write_bytes("Caf\xe9 in Paris".encode("latin-1"))
+    assert "UTF-8" in one_line_error(capsys, ["caption", "--image", img, "--article", str(tmp_path / "latin1.txt")])
+    assert "directory" in one_line_error(capsys, ["caption", "--image", img, "--article", str(tmp_path)])
+    assert "not found" in one_line_error(capsys, ["caption", "--image", img, "--article", str(tmp_path / "x.txt")])
+    assert "checkpoint" in one_line_error(capsys, ["caption", "--image", img, "--checkpoint", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_json_with_faces_and_attention(tmp_path, capsys):
+    import torch
+
+    from tellkit.registry import create_model
+
+    torch.manual_seed(0)
+    model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512, max_len=8)
+    ckpt = tmp_path / "ckpt"
+    model.save_pretrained(ckpt, extra={"task": "captioning", "encoders": {"image": "mobilenet_v2", "article": "all-MiniLM-L6-v2",
+                                                                         "faces": "facenet_casia"}})
+    argv = ["caption", "--image", str(DEMO / "astronaut.jpg"), "--article", str(DEMO / "astronaut.txt"), "--checkpoint", str(ckpt)]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert isinstance(out["caption"], str) and out["tokens"]
+    assert len(out["faces"]) >= 1 and len(out["faces"][0]["box"]) == 4  # Eileen Collins' face
+    tok = out["tokens"][0]["attention"]
+    assert len(tok["image"]) == 49 and len(tok["faces"]) == len(out["faces"])
+    assert len(tok["article"]) == len(out["article_tokens"]) > 10
+    assert out["article_tokens"][1]["text"] == "eileen"  # MiniLM is uncased; [CLS] first
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == out["caption"]

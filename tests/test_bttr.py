@@ -183,3 +183,48 @@ def test_save_load_round_trip(tmp_path):
     m2 = BTTR.from_pretrained(tmp_path / "ck").eval()
     x = images()[0][None]
     assert m.generate(x)["tokens"] == m2.generate(x)["tokens"]
+
+
+@torch.no_grad()
+def _reference_beam(m, x, start, end, k, max_len):
+    """The reference's beam search, written plainly: one image, whole prefix recomputed, the
+    best (k - finished) continuations kept, those ending in ``end`` finished."""
+    mem, mask = m.encode(x, None)
+    hyps, done = [([start], 0.0)], []
+    for _ in range(max_len):
+        cands = []
+        for seq, s in hyps:
+            lp = F.log_softmax(m.decoder(torch.tensor([seq]), mem, mask)[0, -1], -1)
+            lp[PAD] = lp[start] = float("-inf")
+            cands += [(s + float(lp[v]), seq, v) for v in range(lp.shape[0])]
+        cands.sort(key=lambda c: -c[0])
+        new = []
+        for sc, seq, v in cands[: k - len(done)]:
+            if v == end:
+                done.append((seq[1:], sc))
+            else:
+                new.append((seq + [v], sc))
+        hyps = new
+        if len(done) >= k or not hyps:
+            break
+    if not done:
+        best = max(hyps, key=lambda h: h[1])
+        done.append((best[0][1:], best[1]))
+    return done
+
+
+@pytest.mark.parametrize("direction", ["l2r", "r2l"])
+def test_batched_beam_matches_plain_reference_beam(fitted, direction):
+    from tellkit.decoding.joint_search import beam_search
+
+    start, end = (SOS, EOS) if direction == "l2r" else (EOS, SOS)
+    imgs = images()
+    b = batch_of(imgs)
+    mem, mask = fitted.encode(b["image"], b["image_mask"])
+    n = len(imgs)
+    got = beam_search(fitted, mem, mask, torch.full((n,), start), torch.full((n,), end), 4, 12)
+    for i, x in enumerate(imgs):
+        want = _reference_beam(fitted, x[None], start, end, 4, 12)
+        assert [t for t, _ in got[i]] == [t for t, _ in want]
+        assert all(abs(a - c) < 1e-4 for (_, a), (_, c) in zip(got[i], want))
+    assert any(len(g) > 1 for g in got)  # several hypotheses finished

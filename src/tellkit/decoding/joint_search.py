@@ -30,7 +30,8 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
     """Batched beam search for N independent searches (one row of ``memory`` each).
 
     ``start`` / ``end`` [N]: first token and end token per search (so both directions can share
-    a batch). Padding and the start token are never generated. Returns, per search, up to ``beam_size`` (tokens without start/end, sum log p)."""
+    a batch). Padding and the start token are never generated. Returns, per search, up to
+    ``beam_size`` (tokens without start/end, sum of log-probabilities including the end token)."""
     n, k = memory.shape[0], beam_size
     dev = memory.device
     if use_cache:  # memory keys/values projected once per search, shared by its beams
@@ -61,7 +62,8 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
         for i, j in is_end.nonzero().tolist():
             finished[alive[i]].append((prefix[i * k + int(beam[i, j]), 1:].tolist(), float(top[i, j])))
         top = top.masked_fill(is_end, NEG)
-        keep = [i for i, g in enumerate(alive) if len(finished[g]) < k and bool(top[i, 0] > NEG)]
+        live = (top > NEG).any(1).tolist()  # (the best slot may just have finished)
+        keep = [i for i, g in enumerate(alive) if len(finished[g]) < k and live[i]]
         if not keep:
             alive = []
             break

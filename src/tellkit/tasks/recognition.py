@@ -15,7 +15,8 @@ Recipe sections read here (``configs/bttr/*.yaml``)::
       max_len: 200                  # training labels above this are dropped (reference)
       max_batch_pixels: 1600000     # cap on padded pixels per batch (batch_size from train:)
       limit: {train: 0, val: 0, test: 0}   # optional seeded subsets (0 = all)
-    eval: {beam_size: 10, max_len: 200, alpha: 1.0, bidirectional: true, rescore: true}
+    eval: {beam_size: 10, max_len: 200, alpha: 1.0, bidirectional: true, rescore: true,
+           batch_size: 16}                 # images per search batch (val/test; no pixel cap)
 
 The model is validated (and selected, and its lr reduced on plateau) on ExpRate.
 """
@@ -37,7 +38,8 @@ DATA_DEFAULTS: dict[str, Any] = {
     "test": "2014", "crop": True, "scale": 1.0, "max_side": 0, "max_pixels": 320000, "max_len": 200,
     "max_batch_pixels": 1_600_000, "limit": {},
 }
-EVAL_DEFAULTS: dict[str, Any] = {"beam_size": 10, "max_len": 200, "alpha": 1.0, "bidirectional": True, "rescore": True}
+EVAL_DEFAULTS: dict[str, Any] = {"beam_size": 10, "max_len": 200, "alpha": 1.0, "bidirectional": True, "rescore": True,
+                                 "batch_size": 16}
 
 
 def resolve_data_root(root: str) -> Path:
@@ -100,8 +102,11 @@ class RecognitionTask(Task):
     def batch_sampler(self, dataset, split, *, shuffle, seed, epoch):
         from tellkit.data.crohme import size_batches
 
-        return size_batches(dataset.sizes(), self.batch_size, int(self.data["max_batch_pixels"]),
-                            shuffle=shuffle, seed=seed * 1_000_003 + epoch)
+        if split == "train":
+            return size_batches(dataset.sizes(), self.batch_size, int(self.data["max_batch_pixels"]),
+                                shuffle=shuffle, seed=seed * 1_000_003 + epoch)
+        # searching: similar sizes together, larger batches (no gradients to hold)
+        return size_batches(dataset.sizes(), int(self.eval["batch_size"]), 0, shuffle=shuffle, seed=seed)
 
     def sample_size(self, dataset, index):
         h, w = dataset.sizes()[index]

@@ -253,10 +253,7 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
 
     cap, _ = backends
     save_model(cap.model, tmp_path / "tat", extra={"task": "captioning", "train": {"lr": 1e-3}})
-    enc = {"image_encoder": cap.image_encoder, "article_encoder": cap.article_encoder}
-    if cap.face_encoder is not None:
-        enc["face_encoder"] = cap.face_encoder
-    monkeypatch.setattr(B, "build_encoders", lambda contexts, names: enc)
+    monkeypatch.setattr(B, "_featurizer", lambda *a: cap.featurizer)  # reuse the loaded encoders
     loaded = TransformAndTellCaptioner.load(tmp_path / "tat")
     assert loaded.info["trained"] is True and loaded.info["checkpoint"] == str(tmp_path / "tat")
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), cap.model.state_dict().values()))

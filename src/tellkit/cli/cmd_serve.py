@@ -48,7 +48,8 @@ def load_backends(args) -> tuple[object | None, object | None]:
     from pathlib import Path
 
     from tellkit.errors import TellkitError
-    from tellkit.server.backends import DEFAULT_CAPTION_CHECKPOINT, BTTRMathRecognizer, TransformAndTellCaptioner
+    from tellkit.server.backends import BTTRMathRecognizer, TransformAndTellCaptioner
+    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT as DEFAULT_CAPTION_CHECKPOINT
 
     wanted = {m.strip() for m in args.models.split(",") if m.strip()}
     bad = wanted - {"caption", "math"}
@@ -69,8 +70,8 @@ def load_backends(args) -> tuple[object | None, object | None]:
             captioner = TransformAndTellCaptioner.untrained()
         else:
             path = ckpts.get("caption") or DEFAULT_CAPTION_CHECKPOINT
-            if not Path(path).is_dir():
-                raise TellkitError(f"no captioning checkpoint: the packaged default {path} is not installed; pass "
+            if not (Path(path) / "model.safetensors").is_file() and not (Path(path) / "checkpoints").is_dir():
+                raise TellkitError(f"no captioning checkpoint at {path}; pass "
                                    "--checkpoint caption=DIR, --models math, or --untrained")
             captioner = TransformAndTellCaptioner.load(path, device=args.device)
     if "math" in wanted:

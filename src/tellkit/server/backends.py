@@ -19,13 +19,13 @@ never from a request.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from tellkit.errors import TellkitError
 
 DEFAULT_ENCODERS = {"image": "mobilenet_v2", "article": "all-MiniLM-L6-v2", "faces": "facenet_casia"}
-DEFAULT_CAPTION_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "tat_default"
 
 
 class Captioner(Protocol):
@@ -62,48 +62,72 @@ def _crop_box(width: int, height: int, resize: int, crop: int) -> list[float]:
     return [round(left * sx, 1), round(top * sy, 1), round((left + crop) * sx, 1), round((top + crop) * sy, 1)]
 
 
+def article_sample(text: str):
+    """A pasted article as a caption sample for the context builder: paragraphs are the blocks
+    between blank lines (or the lines, when there are none); no title, no image position, so the
+    model reads the article from its start up to the encoder's token budget."""
+    from tellkit.data.sample import CaptionSample
+
+    text = (text or "").strip()
+    blocks = [b for b in re.split(r"\n\s*\n", text) if b.strip()]
+    if len(blocks) <= 1:
+        blocks = [b for b in text.splitlines() if b.strip()]
+    return CaptionSample(id="request", caption="", paragraphs=blocks)
+
+
 class TransformAndTellCaptioner:
     """Image + article -> caption with per-token attention, using a Transform and Tell model and
-    the frozen encoders its checkpoint was trained on."""
+    the frozen encoders its checkpoint was trained with. The encoders and the article context
+    (which paragraphs fit the token budget) come from the captioning task's ``Featurizer``
+    (``tellkit.tasks.captioning``), so inputs are encoded exactly as in training."""
 
-    def __init__(self, model, image_encoder, article_encoder=None, face_encoder=None, tokenizer=None,
-                 info: dict[str, Any] | None = None, max_len: int | None = None, beam_size: int = 1,
-                 max_article_tokens: int = 512):
+    def __init__(self, model, featurizer, tokenizer=None, info: dict[str, Any] | None = None,
+                 max_len: int | None = None, beam_size: int = 1, length_penalty: float = 1.0,
+                 context_mode: str = "location_aware"):
         self.model = model.eval()
+        self.featurizer = featurizer
         self.contexts = tuple(model.config.contexts)
-        self.image_encoder = image_encoder
-        self.article_encoder = article_encoder
-        self.face_encoder = face_encoder
-        if "article" in self.contexts and article_encoder is None:
-            raise TellkitError("this captioning model attends to the article: an article encoder is needed")
-        if "faces" in self.contexts and face_encoder is None:
-            raise TellkitError("this captioning model attends to faces, but no face encoder is available "
-                               "(tellkit.encoders.faces.FaceEncoder)")
+        cfg = model.config
         if "objects" in self.contexts:
             raise TellkitError("the server cannot run models with the 'objects' context (no object detector ships)")
-        cfg = model.config
-        if "image" in self.contexts and image_encoder.out_dim != cfg.image_dim:
-            raise TellkitError(f"image encoder {image_encoder.name} gives {image_encoder.out_dim}-d features; "
+        if "image" in self.contexts and self.image_encoder.out_dim != cfg.image_dim:
+            raise TellkitError(f"image encoder {self.image_encoder.name} gives {self.image_encoder.out_dim}-d features; "
                                f"the model expects image_dim={cfg.image_dim}")
-        if article_encoder is not None and "article" in self.contexts:
-            if article_encoder.dim != cfg.article_dim or (cfg.article_layers > 1 and article_encoder.num_layers != cfg.article_layers):
-                raise TellkitError(f"article encoder {article_encoder.name} gives {article_encoder.num_layers} x "
-                                   f"{article_encoder.dim}; the model expects {cfg.article_layers} x {cfg.article_dim}")
+        if "article" in self.contexts:
+            enc = self.article_encoder
+            if enc.dim != cfg.article_dim or (cfg.article_layers > 1 and enc.num_layers != cfg.article_layers):
+                raise TellkitError(f"article encoder {enc.name} gives {enc.num_layers} x {enc.dim}; "
+                                   f"the model expects {cfg.article_layers} x {cfg.article_dim}")
+        if "faces" in self.contexts:
+            self.featurizer.face_encoder  # noqa: B018 - load now: a missing face model fails at start-up
         if tokenizer is None:
             from tellkit.encoders.tokenizer import CaptionTokenizer
 
-            tokenizer = article_encoder.caption_tokenizer if article_encoder is not None else CaptionTokenizer.load()
+            tokenizer = CaptionTokenizer.load()
         self.tokenizer = tokenizer
-        self.max_len, self.beam_size, self.max_article_tokens = max_len, int(beam_size), int(max_article_tokens)
+        self.max_len, self.beam_size, self.length_penalty = max_len, int(beam_size), float(length_penalty)
+        self.context_mode = "none" if "article" not in self.contexts else context_mode
         self.info = {"name": "transform_and_tell", "contexts": list(self.contexts),
-                     "image_encoder": getattr(image_encoder, "name", None),
-                     "article_encoder": getattr(article_encoder, "name", None),
+                     "image_encoder": getattr(self.image_encoder, "name", None),
+                     "article_encoder": getattr(self.article_encoder, "name", None) if "article" in self.contexts else None,
                      "parameters": sum(p.numel() for p in model.parameters()),
                      **(info or {})}
 
+    @property
+    def image_encoder(self):
+        return self.featurizer.image_encoder
+
+    @property
+    def article_encoder(self):
+        return self.featurizer.article_encoder
+
     @classmethod
-    def load(cls, checkpoint: str | Path, device: str = "cpu", **kw) -> "TransformAndTellCaptioner":
+    def load(cls, checkpoint: str | Path, device: str = "cpu", max_len: int | None = None, beam_size: int = 1,
+             **kw) -> "TransformAndTellCaptioner":
+        """A checkpoint (or run folder) written by ``tellkit train``: the recipe sections in its
+        config.json name the encoders, the article context and the generation settings."""
         from tellkit.checkpoint import load_model, read_checkpoint_config
+        from tellkit.encoders.tokenizer import CaptionTokenizer
         from tellkit.models.transform_and_tell import TransformAndTell
 
         path = Path(checkpoint)
@@ -111,9 +135,14 @@ class TransformAndTellCaptioner:
             path = next((path / "checkpoints" / n for n in ("best", "last") if (path / "checkpoints" / n).exists()), path)
         meta = read_checkpoint_config(path)
         model = load_model(path, map_location=device, expect=TransformAndTell).float()
-        names = {**DEFAULT_ENCODERS, **(meta.get("encoders") or (meta.get("data") or {}).get("encoders") or {})}
-        enc = build_encoders(model.config.contexts, names)
-        return cls(model, info=_checkpoint_info("transform_and_tell", path, meta), **enc, **kw)
+        encoders = meta.get("encoders") or DEFAULT_ENCODERS
+        data, ev = meta.get("data") or {}, meta.get("eval") or {}
+        feat = _featurizer(encoders, model.config.contexts, int(data.get("max_article_tokens", 512)), device)
+        return cls(model, feat, tokenizer=CaptionTokenizer.load(encoders.get("caption_tokenizer")),
+                   info=_checkpoint_info("transform_and_tell", path, meta),
+                   max_len=max_len or ev.get("max_len"), beam_size=beam_size,
+                   length_penalty=float(ev.get("length_penalty", 1.0)),
+                   context_mode=data.get("context", "location_aware"), **kw)
 
     @classmethod
     def untrained(cls, seed: int = 0) -> "TransformAndTellCaptioner":
@@ -123,20 +152,22 @@ class TransformAndTellCaptioner:
 
         from tellkit.registry import create_model
 
-        contexts = ["image", "article"] + (["faces"] if face_encoder_available() else [])
+        contexts = ["image", "article", "faces"]
         torch.manual_seed(seed)
         model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512,
                              contexts=contexts, max_len=12).eval()
-        enc = build_encoders(contexts, DEFAULT_ENCODERS)
-        return cls(model, info={"family": "transform_and_tell", "checkpoint": None, "trained": False,
-                                "note": "tiny random model (tellkit serve --untrained): captions are noise"}, **enc)
+        return cls(model, _featurizer(DEFAULT_ENCODERS, contexts, 512, "cpu"),
+                   info={"family": "transform_and_tell", "checkpoint": None, "trained": False,
+                         "note": "tiny random model (tellkit serve --untrained): captions are noise"})
 
     # -- inference ----------------------------------------------------------------------------
     def caption(self, items: Sequence[tuple[Any, str]]) -> list[dict[str, Any]]:
         import torch
 
         images = [im for im, _ in items]
-        texts = [(a or "").strip() for _, a in items]
+        f = self.featurizer
+        texts = [f.context_text(article_sample(a), self.context_mode) if self.context_mode != "none" else ""
+                 for _, a in items]
         batch: dict[str, Any] = {}
         feats, mask = self.image_encoder.encode(images)
         batch["image"], batch["image_mask"] = feats, mask
@@ -146,16 +177,16 @@ class TransformAndTellCaptioner:
         tf = self.image_encoder.preprocess
         art = None
         if "article" in self.contexts:
-            art = self.article_encoder.encode(texts, max_tokens=self.max_article_tokens)
+            art = self.article_encoder.encode(texts, max_tokens=f.max_article_tokens)
             batch["article"], batch["article_mask"] = art["hidden"], art["mask"]
             if self.model.config.copy:
                 batch["article_ids"] = self.article_encoder.caption_ids(texts, art["offsets"])
         faces: list[list[dict[str, Any]]] = [[] for _ in images]
         if "faces" in self.contexts:
-            emb, fmask, faces = self.face_encoder_batch(images)
-            batch["faces"], batch["faces_mask"] = emb, fmask
+            batch["faces"], batch["faces_mask"], faces = self._faces(images)
         with torch.no_grad():
-            out = self.model.generate(batch, max_len=self.max_len, beam_size=self.beam_size, return_attention=True)
+            out = self.model.generate(batch, max_len=self.max_len, beam_size=self.beam_size,
+                                      length_penalty=self.length_penalty, return_attention=True)
         results = []
         for b, (im, toks) in enumerate(zip(images, out["tokens"])):
             attn = out["attention"][b]
@@ -169,24 +200,22 @@ class TransformAndTellCaptioner:
                 "image_size": [im.width, im.height],
                 "grid": {"rows": rows, "cols": cols, "box": _crop_box(im.width, im.height, tf.resize, tf.crop)},
                 "faces": faces[b],
-                "article_text": texts[b],
+                "article_text": texts[b],  # the context the model read (whitespace-normalised, cut to the budget)
                 "article_tokens": [],
             }
             if art is not None:
-                n = len(art["tokens"][b])
-                res["article_tokens"] = [{"text": art["tokens"][b][i], "start": art["offsets"][b][i][0],
-                                          "end": art["offsets"][b][i][1]} for i in range(n)]
+                res["article_tokens"] = [{"text": tok, "start": s, "end": e}
+                                         for tok, (s, e) in zip(art["tokens"][b], art["offsets"][b])]
             results.append(res)
         return results
 
-    def face_encoder_batch(self, images):
-        """-> (embeddings float[B, F, 512], mask bool[B, F], per image a list of face boxes)."""
+    def _faces(self, images):
+        """-> (embeddings float[B, F, D], mask bool[B, F], per image its face boxes), F <= 4."""
         import torch
 
-        per = [self.face_encoder.encode_image(im) for im in images]
+        per = [self.featurizer.faces(im) for im in images]
         F = max((len(p["embeddings"]) for p in per), default=0)
-        dim = self.model.config.face_dim
-        emb = torch.zeros(len(images), F, dim)
+        emb = torch.zeros(len(images), F, self.model.config.face_dim)
         mask = torch.zeros(len(images), F, dtype=torch.bool)
         boxes = []
         for b, p in enumerate(per):
@@ -195,49 +224,14 @@ class TransformAndTellCaptioner:
                 emb[b, :k] = torch.as_tensor(p["embeddings"], dtype=torch.float32)
                 mask[b, :k] = True
             boxes.append([{"box": [round(float(v), 1) for v in box], "score": round(float(s), 4)}
-                          for box, s in zip(p["boxes"], p["scores"])])
+                          for box, s in zip(p["boxes"], p["probs"])])
         return emb, mask, boxes
 
 
-def face_encoder_available() -> bool:
-    try:
-        from tellkit.encoders.faces import FaceEncoder  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _featurizer(encoders, contexts, max_article_tokens: int, device):
+    from tellkit.tasks.captioning import Featurizer
 
-
-class _FaceAdapter:
-    """``encode_image(PIL) -> {"boxes", "scores", "embeddings"}`` over the project's FaceEncoder
-    (``detect_and_embed``: MTCNN boxes, largest faces first, FaceNet 512-d embeddings)."""
-
-    def __init__(self, encoder):
-        self.encoder = encoder
-        self.name = type(encoder).__name__
-
-    def encode_image(self, image) -> dict[str, Any]:
-        out = self.encoder.detect_and_embed(image)
-        boxes = [[float(v) for v in b] for b in out["boxes"]]
-        return {"boxes": boxes, "scores": [float(p) for p in out["probs"]], "embeddings": out["embeddings"]}
-
-
-def build_encoders(contexts: Sequence[str], names: dict[str, str]) -> dict[str, Any]:
-    """The frozen encoders a captioning model needs (only those of its contexts)."""
-    from tellkit.encoders.image import build_image_encoder
-    from tellkit.encoders.text import ArticleEncoder
-
-    out: dict[str, Any] = {"image_encoder": build_image_encoder(names["image"])}
-    if "article" in contexts:
-        art = names["article"]
-        out["article_encoder"] = ArticleEncoder(None if art in ("all-MiniLM-L6-v2", "minilm", None) else art)
-    if "faces" in contexts:
-        if not face_encoder_available():
-            raise TellkitError("the captioning model attends to faces but tellkit.encoders.faces.FaceEncoder "
-                               "is not available in this install")
-        from tellkit.encoders.faces import FaceEncoder
-
-        out["face_encoder"] = _FaceAdapter(FaceEncoder())
-    return out
+    return Featurizer(encoders, contexts, max_article_tokens=max_article_tokens, device=device)
 
 
 # --- handwritten math: BTTR ---------------------------------------------------------------------

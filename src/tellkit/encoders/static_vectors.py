@@ -261,3 +261,8 @@ def load_article_vectors(spec: str) -> StaticVectors:
     if spec.startswith("static:"):
         return StaticVectors.from_text_encoder(spec[len("static:"):])
     raise TellkitError(f"static word vectors: expected 'glove:PATH', 'static' or 'static:NAME', got {spec!r}")
+
+
+def is_static_spec(spec) -> bool:
+    """True for the recipe strings :func:`load_article_vectors` accepts."""
+    return isinstance(spec, str) and (spec == "static" or spec.startswith(("static:", "glove:")))

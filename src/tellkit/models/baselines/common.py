@@ -63,15 +63,39 @@ def shift(caption: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tenso
     return inp, target, target != pad_id
 
 
-def nll_loss(log_probs: torch.Tensor, target: torch.Tensor, mask: torch.Tensor, extra: torch.Tensor | None = None) -> dict:
-    """Summed NLL over real target tokens (+ ``extra``, a summed regulariser), divided by the
-    number of target tokens: the loop's contract (mean over target tokens, weighted by
-    ``ntokens`` across micro-batches)."""
-    nll = -log_probs.gather(-1, target[..., None]).squeeze(-1)[mask].sum()
-    ntokens = mask.sum()
+def token_loss(target_lp: torch.Tensor, ntokens: torch.Tensor, extra: torch.Tensor | None = None) -> dict:
+    """``target_lp``: log p of each real target token [N]. Summed NLL (+ ``extra``, a summed
+    regulariser) divided by the number of target tokens: the loop's contract (mean over
+    target tokens, weighted by ``ntokens`` across micro-batches)."""
     n = ntokens.clamp(min=1)
+    nll = -target_lp.sum()
     loss = (nll + (extra if extra is not None else 0.0)) / n
     return {"loss": loss, "ntokens": ntokens, "nll_bits": (nll / n).detach() / math.log(2)}
+
+
+class VocabOutput(nn.Module):
+    """p(word | x) over the caption vocabulary: a full softmax (as the papers), or with
+    ``cutoffs`` an adaptive softmax (:mod:`tellkit.layers.adaptive`), which keeps the output
+    layer affordable over RoBERTa's 50,265 BPE ids (the papers had ~10K-word vocabularies)."""
+
+    def __init__(self, vocab_size: int, dim: int, cutoffs: tuple[int, ...] = (), factor: float = 1.0):
+        super().__init__()
+        from tellkit.layers.adaptive import AdaptiveSoftmax
+
+        self.linear = nn.Linear(dim, vocab_size) if not cutoffs else None
+        self.adaptive = AdaptiveSoftmax(vocab_size, dim, cutoffs, factor) if cutoffs else None
+
+    def log_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., dim] -> [..., vocab] (float32)."""
+        if self.linear is not None:
+            return torch.log_softmax(self.linear(x).float(), dim=-1)
+        return self.adaptive.log_probs(x)
+
+    def target_log_probs(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """[N, dim], [N] -> log p(target) [N] (float32)."""
+        if self.linear is not None:
+            return self.log_probs(x).gather(-1, target[:, None]).squeeze(-1)
+        return self.adaptive.target_log_probs(x, target)
 
 
 class RowState:

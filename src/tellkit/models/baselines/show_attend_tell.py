@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.models.baselines.common import (attention_lists, context_set, masked_mean, masked_softmax, nll_loss,
-                                             search, shift)
+from tellkit.models.baselines.common import (VocabOutput, attention_lists, context_set, masked_mean, masked_softmax,
+                                             search, shift, token_loss)
 from tellkit.registry import register_model
 
 
@@ -47,11 +47,14 @@ class ShowAttendTellConfig:
     dropout: float = 0.5
     gate: bool = True  # the beta gating scalar on the attended vector
     doubly_stochastic: float = 1.0  # lambda of the attention regulariser (the paper: 1)
+    adaptive_cutoffs: tuple[int, ...] = ()  # () = full softmax (the paper); e.g. [5000, 20000] = adaptive
+    adaptive_factor: float = 4.0
     max_len: int = 100
     # the context sets the captioning task must provide: the image grid only
     contexts: tuple[str, ...] = ("image",)
 
     def __post_init__(self):
+        self.adaptive_cutoffs = tuple(self.adaptive_cutoffs)
         self.contexts = tuple(self.contexts)
         if self.contexts != ("image",):
             raise ValueError(f"Show, Attend and Tell reads the image only: contexts must be [image], got {list(self.contexts)}")
@@ -73,7 +76,7 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         self.cell = nn.LSTMCell(E + D, H)
         self.out_hidden = nn.Linear(H, E)  # L_h
         self.out_context = nn.Linear(D, E, bias=False)  # L_z
-        self.out = nn.Linear(E, cfg.vocab_size)  # L_o
+        self.out = VocabOutput(cfg.vocab_size, E, cfg.adaptive_cutoffs, cfg.adaptive_factor)  # L_o
 
     # -- one decoding step ------------------------------------------------------------------
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -83,7 +86,7 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
                 "h": torch.tanh(self.init_h(mean)), "c": torch.tanh(self.init_c(mean))}
 
     def step(self, y_prev: torch.Tensor, s: dict[str, torch.Tensor]):
-        """One word: returns (logits [B, V], attention [B, N], new state)."""
+        """One word: returns (deep output vector [B, E], attention [B, N], new state)."""
         e = self.att_score(torch.tanh(s["wa"] + self.att_hidden(s["h"])[:, None, :])).squeeze(-1)
         alpha = masked_softmax(e, s["valid"]).to(s["a"].dtype)
         z = torch.bmm(alpha[:, None, :], s["a"]).squeeze(1)
@@ -92,11 +95,10 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         emb = self.embed(y_prev)
         h, c = self.cell(torch.cat([F.dropout(emb, self.config.dropout, self.training), z], dim=-1), (s["h"], s["c"]))
         deep = emb + self.out_hidden(h) + self.out_context(z)
-        logits = self.out(F.dropout(deep, self.config.dropout, self.training))
-        return logits, alpha, {**s, "h": h, "c": c}
+        return F.dropout(deep, self.config.dropout, self.training), alpha, {**s, "h": h, "c": c}
 
     def teacher_forced(self, batch: dict[str, Any], inp: torch.Tensor):
-        """Logits [B, T, V] and attention [B, T, N] for input tokens ``inp`` [B, T]."""
+        """Deep outputs [B, T, E] and attention [B, T, N] for input tokens ``inp`` [B, T]."""
         s = self.encode(batch)
         logits, alphas = [], []
         for t in range(inp.size(1)):
@@ -108,21 +110,20 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
     # -- training -----------------------------------------------------------------------------
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         inp, target, mask = shift(batch["caption"], self.config.pad_id)
-        logits, alpha, valid = self.teacher_forced(batch, inp)
-        lp = torch.log_softmax(logits.float(), dim=-1)
+        deep, alpha, valid = self.teacher_forced(batch, inp)
         reg = None
         if self.config.doubly_stochastic > 0:
             total = (alpha.float() * mask[..., None]).sum(1)  # [B, N]: attention each location received
             reg = self.config.doubly_stochastic * (((1.0 - total) ** 2) * valid).sum()
-        out = nll_loss(lp, target, mask, reg)
+        out = token_loss(self.out.target_log_probs(deep[mask], target[mask]), mask.sum(), reg)
         if reg is not None:
             out["attention_reg"] = reg.detach() / out["ntokens"].clamp(min=1)
         return out
 
     # -- generation ---------------------------------------------------------------------------
     def _search_step(self, last: torch.Tensor, s: dict):
-        logits, _, s = self.step(last, s)
-        return torch.log_softmax(logits.float(), dim=-1), s
+        deep, _, s = self.step(last, s)
+        return self.out.log_probs(deep), s
 
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], max_len: int | None = None, beam_size: int = 1,

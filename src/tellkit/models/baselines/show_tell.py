@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.models.baselines.common import context_set, masked_mean, nll_loss, search, shift
+from tellkit.models.baselines.common import VocabOutput, context_set, masked_mean, search, shift, token_loss
 from tellkit.registry import register_model
 
 
@@ -37,6 +37,8 @@ class ShowTellConfig:
     num_layers: int = 1
     dropout: float = 0.5
     tie_embeddings: bool = False  # output weights = input embeddings (needs embed_dim == hidden_dim)
+    adaptive_cutoffs: tuple[int, ...] = ()  # () = full softmax (the paper); e.g. [5000, 20000] = adaptive
+    adaptive_factor: float = 4.0
     max_len: int = 100
     # the context sets the captioning task must provide: the image grid only
     contexts: tuple[str, ...] = ("image",)
@@ -45,8 +47,9 @@ class ShowTellConfig:
         self.contexts = tuple(self.contexts)
         if self.contexts != ("image",):
             raise ValueError(f"Show and Tell reads the image only: contexts must be [image], got {list(self.contexts)}")
-        if self.tie_embeddings and self.embed_dim != self.hidden_dim:
-            raise ValueError("tie_embeddings needs embed_dim == hidden_dim")
+        self.adaptive_cutoffs = tuple(self.adaptive_cutoffs)
+        if self.tie_embeddings and (self.embed_dim != self.hidden_dim or self.adaptive_cutoffs):
+            raise ValueError("tie_embeddings needs embed_dim == hidden_dim and a full softmax")
         if self.num_layers < 1:
             raise ValueError("num_layers must be >= 1")
 
@@ -60,9 +63,9 @@ class ShowTell(nn.Module, PretrainedMixin):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.embed_dim, padding_idx=cfg.pad_id)
         self.lstm = nn.LSTM(cfg.embed_dim, cfg.hidden_dim, cfg.num_layers, batch_first=True,
                             dropout=cfg.dropout if cfg.num_layers > 1 else 0.0)
-        self.out = nn.Linear(cfg.hidden_dim, cfg.vocab_size)
+        self.out = VocabOutput(cfg.vocab_size, cfg.hidden_dim, cfg.adaptive_cutoffs, cfg.adaptive_factor)
         if cfg.tie_embeddings:
-            self.out.weight = self.embed.weight
+            self.out.linear.weight = self.embed.weight
         nn.init.uniform_(self.embed.weight, -0.08, 0.08)  # the paper's initialisation scale
         with torch.no_grad():
             self.embed.weight[cfg.pad_id].zero_()
@@ -78,13 +81,13 @@ class ShowTell(nn.Module, PretrainedMixin):
         inp, target, mask = shift(batch["caption"], self.config.pad_id)
         x = F.dropout(self.embed(inp), self.config.dropout, self.training)
         h, _ = self.lstm(x, self.start_state(batch))
-        lp = torch.log_softmax(self.out(F.dropout(h, self.config.dropout, self.training)).float(), dim=-1)
-        return nll_loss(lp, target, mask)
+        h = F.dropout(h, self.config.dropout, self.training)
+        return token_loss(self.out.target_log_probs(h[mask], target[mask]), mask.sum())
 
     def _step(self, last: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
         h, (hh, cc) = self.lstm(self.embed(last)[:, None, :], (state["h"].transpose(0, 1).contiguous(),
                                                                 state["c"].transpose(0, 1).contiguous()))
-        lp = torch.log_softmax(self.out(h[:, 0]).float(), dim=-1)
+        lp = self.out.log_probs(h[:, 0])
         # rows first, so that the search can reorder them
         return lp, {"h": hh.transpose(0, 1), "c": cc.transpose(0, 1)}
 

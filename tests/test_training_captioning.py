@@ -122,3 +122,18 @@ def test_train_then_evaluate_through_the_cli(tmp_path, fake_encoders):
     row = json.loads((out / "predictions_test.jsonl").read_text())
     assert row["id"] == "5a1b2c_1" and row["references"] == ["The new bridge at dusk."] and "cider" in row["scores"]
     assert isinstance(row["prediction"], str)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "tat").glob("*.yaml")))
+def test_tat_recipes_are_valid(name):
+    """Every Transform and Tell recipe: its train section is a valid TrainConfig, its task exists
+    and its model builds (on the meta device: no memory)."""
+    from tellkit.registry import create_model
+    from tellkit.tasks import get_task
+    from tellkit.training.config import train_config
+
+    r = load_yaml(f"tat/{name}")
+    cfg = train_config(r)
+    assert cfg.lr > 0 and get_task(r["task"]) is CaptioningTask
+    with torch.device("meta"):
+        create_model(r)

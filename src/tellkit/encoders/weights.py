@@ -103,16 +103,13 @@ def read_state_dict(path, what: str = "weights") -> dict:
     return sd
 
 
-def load_strict(module, state_dict: dict, what: str, source: str = "", ignore: tuple[str, ...] = ()) -> None:
-    """``module.load_state_dict(strict=True)`` with a one-line error naming what differs.
-    Keys starting with a prefix in ``ignore`` are dropped first (e.g. a classifier not used)."""
-    sd = {k: v for k, v in state_dict.items() if not k.startswith(ignore)} if ignore else state_dict
+def load_strict(module, state_dict: dict, what: str, source: str = "") -> None:
+    """``module.load_state_dict(strict=True)`` with a one-line error naming what differs."""
     own = module.state_dict()
-    own = {k: v for k, v in own.items() if not k.startswith(ignore)} if ignore else own
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    shape = [f"{k} {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-             if k in sd and tuple(sd[k].shape) != tuple(v.shape)]
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    shape = [f"{k} {tuple(state_dict[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+             if k in state_dict and tuple(state_dict[k].shape) != tuple(v.shape)]
     if missing or unexpected or shape:
         def few(xs):
             return ", ".join(xs[:3]) + (f" (+{len(xs) - 3} more)" if len(xs) > 3 else "")
@@ -121,4 +118,4 @@ def load_strict(module, state_dict: dict, what: str, source: str = "", ignore: t
                  f"wrong shape {few(shape)}" if shape else ""]
         src = f" from {source}" if source else ""
         raise TellkitError(f"{what}: weights{src} do not fit the architecture: " + "; ".join(p for p in parts if p))
-    module.load_state_dict(sd, strict=not ignore)
+    module.load_state_dict(state_dict, strict=True)

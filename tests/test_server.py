@@ -319,3 +319,16 @@ def test_cli_serves_on_localhost_by_default():
             proc.kill()
             out = proc.communicate()[1]
     assert "UNTRAINED" in out and f"http://127.0.0.1:{port}/" in out
+
+
+def test_load_benchmark_counts_requests_errors_and_percentiles():
+    from tellkit.bench.serve_load import _inputs, _percentiles, load_once
+
+    assert _percentiles([0.1, 0.2, 0.3, 0.4]) == {"p50_ms": 200.0, "p90_ms": 400.0, "p99_ms": 400.0,
+                                                  "max_ms": 400.0, "mean_ms": 250.0}
+    photos, math = _inputs()
+    app = create_app(None, SlowEcho(delay=0.01), serve_page=False)  # no captioner: caption requests fail (503)
+    with ServerThread(app) as srv:
+        res = load_once(srv.url, 6, 3, photos, math)
+    assert res["requests"] == 6 and res["math"]["ok"] == 3 and res["caption"]["ok"] == 0
+    assert res["errors"] == 3 and res["error_examples"][0]["status"] == 503

@@ -1,0 +1,199 @@
+"""Bounded load test of ``tellkit serve`` over loopback: a fixed number of caption and math
+requests from several concurrent clients; throughput, latency percentiles, errors (must be
+zero) and the server's peak memory, with request batching on (``--max-batch 8``) and off
+(``--max-batch 1``).
+
+The server runs as its own process (``python -m tellkit serve --api-only``, bound to 127.0.0.1),
+so its peak resident memory is read exactly from ``/proc/<pid>/status`` (VmHWM) and the client
+threads do not share its interpreter. Inputs are the packaged demo samples (photos, two with an
+article, one with a face; a drawn expression). The served models are the packaged defaults when
+installed, else the tiny untrained ones (``--untrained``); the JSON says which.
+
+    tellkit bench serve_load            # writes bench/results/serve_load.json
+    python -m tellkit.bench.serve_load --requests 96 --concurrency 8 --out bench/results
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def _inputs() -> tuple[list[tuple[str, bytes, str]], bytes]:
+    photos = []
+    for img in sorted((ASSETS / "demo_caption").glob("*.jpg")):
+        txt = img.with_suffix(".txt")
+        photos.append((img.name, img.read_bytes(), txt.read_text(encoding="utf-8") if txt.is_file() else ""))
+    math = (ASSETS / "samples" / "bttr_x2_plus_1.png").read_bytes()
+    if not photos:
+        raise RuntimeError(f"no demo images under {ASSETS / 'demo_caption'}")
+    return photos, math
+
+
+def _default_models() -> list[str]:
+    """Server arguments: the packaged default checkpoints when installed, else --untrained."""
+    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT as CAPTION
+    from tellkit.tasks.recognition import DEFAULT_CHECKPOINT as MATH
+
+    have_caption = (CAPTION / "model.safetensors").is_file()
+    have_math = (MATH / "model.safetensors").is_file()
+    if have_caption and have_math:
+        return ["--checkpoint", f"caption={CAPTION}", "--checkpoint", f"math={MATH}"]
+    return ["--untrained"]
+
+
+def _percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    s = sorted(xs)
+
+    def q(p):  # nearest-rank
+        return s[min(len(s) - 1, max(0, int(round(p / 100 * len(s) + 0.5)) - 1))]
+
+    return {"p50_ms": round(q(50) * 1000, 1), "p90_ms": round(q(90) * 1000, 1), "p99_ms": round(q(99) * 1000, 1),
+            "max_ms": round(s[-1] * 1000, 1), "mean_ms": round(sum(s) / len(s) * 1000, 1)}
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(("VmHWM", "VmRSS")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0]) // 1024  # MiB
+    return out
+
+
+def _start_server(model_args: list[str], max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+    from tellkit.server.runner import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "tellkit", "serve", "--host", "127.0.0.1", "--port", str(port), "--api-only",
+           "--max-batch", str(max_batch), "--max-wait-ms", "10", "--timeout", "120", "--log-level", "warning",
+           *model_args]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited during start-up: {proc.stderr.read()[-2000:]}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the server did not answer /health within 180 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, timeout: float = 120.0) -> dict[str, Any]:
+    """Send ``n_requests`` (alternating caption / math) from ``concurrency`` client threads."""
+    from tellkit.server.runner import post
+
+    def one(i: int):
+        t0 = time.perf_counter()
+        if i % 2 == 0:
+            name, data, article = photos[(i // 2) % len(photos)]
+            status, body = post(url + "/api/caption", fields={"article": article},
+                                files={"image": (name, data, "image/jpeg")}, timeout=timeout)
+            kind = "caption"
+        else:
+            status, body = post(url + "/api/recognize", files={"image": ("expr.png", math, "image/png")}, timeout=timeout)
+            kind = "math"
+        return kind, status, time.perf_counter() - t0, (None if status == 200 else body)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        rows = list(pool.map(one, range(n_requests)))
+    wall = time.perf_counter() - t0
+    errors = [{"kind": k, "status": s, "body": b} for k, s, _, b in rows if s != 200]
+    out: dict[str, Any] = {"requests": n_requests, "concurrency": concurrency, "wall_s": round(wall, 2),
+                           "throughput_rps": round(n_requests / wall, 2), "errors": len(errors),
+                           "error_examples": errors[:3], "latency": _percentiles([t for _, _, t, _ in rows])}
+    for kind in ("caption", "math"):
+        ts = [t for k, s, t, _ in rows if k == kind and s == 200]
+        out[kind] = {"ok": len(ts), **_percentiles(ts)}
+    return out
+
+
+def run(quick: bool = False, device: str = "cpu", requests: int | None = None, concurrency: int = 8,
+        model_args: list[str] | None = None, threads: int = 0) -> dict[str, Any]:
+    n = requests or (16 if quick else 96)
+    photos, math = _inputs()
+    model_args = list(model_args or _default_models())
+    if device != "cpu":
+        model_args += ["--device", device]
+    result: dict[str, Any] = {"server_args": model_args, "requests_per_run": n, "concurrency": concurrency,
+                              "inputs": {"photos": [p[0] for p in photos], "math": "bttr_x2_plus_1.png"}, "runs": {}}
+    for label, max_batch in (("batched", 8), ("unbatched", 1)):
+        proc, url = _start_server(model_args, max_batch, threads)
+        try:
+            health = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
+            result["models"] = health["models"]
+            idle = _proc_status(proc.pid)
+            load_once(url, 4, 2, photos, math)  # warm-up (first-call allocations), not counted
+            warm = _proc_status(proc.pid)
+            stats = load_once(url, n, concurrency, photos, math)
+            after = _proc_status(proc.pid)
+            workers = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["workers"]
+        finally:
+            _stop(proc)
+        stats["memory_mib"] = {"rss_after_load_models": idle["VmRSS"], "rss_after_warmup": warm["VmRSS"],
+                               "peak_rss": after["VmHWM"], "rss_after_run": after["VmRSS"]}
+        stats["max_batch"] = max_batch
+        stats["batches"] = {k: {"batches": w["batches"], "items": w["items"], "max_batch_seen": w["max_batch_seen"]}
+                            for k, w in workers.items()}
+        result["runs"][label] = stats
+    result["total_errors"] = sum(r["errors"] for r in result["runs"].values())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from tellkit.bench import machine
+    from tellkit.checkpoint import atomic_write_json
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch threads in the server (default: torch's choice)")
+    p.add_argument("--untrained", action="store_true", help="serve the tiny untrained models even if defaults exist")
+    p.add_argument("--out", default="bench/results")
+    a = p.parse_args(argv)
+    res = run(requests=a.requests, concurrency=a.concurrency, threads=a.threads,
+              model_args=["--untrained"] if a.untrained else None)
+    record = {"suite": "serve_load", "machine": machine(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "results": res}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "serve_load.json", record)
+    for label, r in res["runs"].items():
+        print(f"{label}: {r['throughput_rps']} req/s, p50 {r['latency'].get('p50_ms')} ms, p99 {r['latency'].get('p99_ms')} ms, "
+              f"errors {r['errors']}, peak RSS {r['memory_mib']['peak_rss']} MiB")
+    print(f"wrote {out / 'serve_load.json'}")
+    return 0 if res["total_errors"] == 0 else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())

@@ -207,3 +207,26 @@ def test_cli_train_then_evaluate(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path / "nope"), "--split", "test"]) == 2
     assert main(["train", str(cfg), "train.optimizer=sgd", "--out", str(tmp_path / "r2")]) == 2
     assert "train.optimizer must be one of" in capsys.readouterr().err
+
+
+def test_sigterm_saves_and_stops_then_resumes(tmp_path):
+    """SIGTERM (preemption) mid-epoch: the step finishes, a checkpoint is written, training
+    stops; --resume then ends with the same weights as an unbroken run."""
+    import os
+    import signal
+
+    r = toy_task.recipe(max_epochs=2)
+    run(r, tmp_path / "full")
+
+    class Preempted(toy_task.ToyTask):
+        def collate(self, samples):
+            if self.collated == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().collate(samples)
+
+    s = run(r, tmp_path / "run", task=Preempted(r))
+    assert s["stopped"] == "signal" and s["steps"] == 4
+    s = run(r, tmp_path / "run", resume=True)
+    assert s["steps"] == 12
+    a, b = weights(tmp_path / "full"), weights(tmp_path / "run")
+    assert all(torch.equal(a[k], b[k]) for k in a)

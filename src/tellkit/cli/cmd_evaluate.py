@@ -13,7 +13,7 @@ HELP = "generate for a data split with a checkpoint and score it (JSON summary +
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="checkpoint folder, or a run folder (its best checkpoint is used)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the stored data/eval sections")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the stored recipe (right after CHECKPOINT)")
     p.add_argument("--data", help="data location (sets data.root of the stored recipe)")
     p.add_argument("--split", default="test", help="train, val or test (default: test)")
     p.add_argument("--out", help="output folder (default: <run>/eval, or <checkpoint>/eval)")

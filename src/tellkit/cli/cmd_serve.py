@@ -67,7 +67,7 @@ def load_backends(args) -> tuple[object | None, object | None]:
     captioner = recognizer = None
     if "caption" in wanted:
         if args.untrained:
-            captioner = TransformAndTellCaptioner.untrained()
+            captioner = TransformAndTellCaptioner.untrained(device=args.device)
         else:
             path = ckpts.get("caption") or DEFAULT_CAPTION_CHECKPOINT
             if not (Path(path) / "model.safetensors").is_file() and not (Path(path) / "checkpoints").is_dir():
@@ -75,7 +75,7 @@ def load_backends(args) -> tuple[object | None, object | None]:
                                    "--checkpoint caption=DIR, --models math, or --untrained")
             captioner = TransformAndTellCaptioner.load(path, device=args.device)
     if "math" in wanted:
-        recognizer = BTTRMathRecognizer.untrained() if args.untrained else BTTRMathRecognizer.load(ckpts.get("math"), device=args.device)
+        recognizer = BTTRMathRecognizer.untrained(device=args.device) if args.untrained else BTTRMathRecognizer.load(ckpts.get("math"), device=args.device)
     return captioner, recognizer
 
 

@@ -145,7 +145,7 @@ class TransformAndTellCaptioner:
                    context_mode=data.get("context", "location_aware"), **kw)
 
     @classmethod
-    def untrained(cls, seed: int = 0) -> "TransformAndTellCaptioner":
+    def untrained(cls, seed: int = 0, device: str = "cpu") -> "TransformAndTellCaptioner":
         """A tiny randomly initialised model over the real offline encoders: the page and the API
         work end to end, but the captions are noise (``info.trained`` is false)."""
         import torch
@@ -155,8 +155,8 @@ class TransformAndTellCaptioner:
         contexts = ["image", "article", "faces"]
         torch.manual_seed(seed)
         model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512,
-                             contexts=contexts, max_len=12).eval()
-        return cls(model, _featurizer(DEFAULT_ENCODERS, contexts, 512, "cpu"),
+                             contexts=contexts, max_len=12).eval().to(device)
+        return cls(model, _featurizer(DEFAULT_ENCODERS, contexts, 512, device),
                    info={"family": "transform_and_tell", "checkpoint": None, "trained": False,
                          "note": "tiny random model (tellkit serve --untrained): captions are noise"})
 
@@ -184,6 +184,8 @@ class TransformAndTellCaptioner:
         faces: list[list[dict[str, Any]]] = [[] for _ in images]
         if "faces" in self.contexts:
             batch["faces"], batch["faces_mask"], faces = self._faces(images)
+        dev = next(self.model.parameters()).device
+        batch = {k: v.to(dev) for k, v in batch.items()}
         with torch.no_grad():
             out = self.model.generate(batch, max_len=self.max_len, beam_size=self.beam_size,
                                       length_penalty=self.length_penalty, return_attention=True)
@@ -253,14 +255,14 @@ class BTTRMathRecognizer:
         return cls(rec, _checkpoint_info("bttr", rec.checkpoint, meta), **kw)
 
     @classmethod
-    def untrained(cls, seed: int = 0) -> "BTTRMathRecognizer":
+    def untrained(cls, seed: int = 0, device: str = "cpu") -> "BTTRMathRecognizer":
         import torch
 
         from tellkit.registry import create_model
         from tellkit.tasks.recognition import Recognizer
 
         torch.manual_seed(seed)
-        model = create_model("bttr/tiny").eval()
+        model = create_model("bttr/tiny").eval().to(device)
         rec = Recognizer(model, {}, {"beam_size": 2, "max_len": 12})
         return cls(rec, {"family": "bttr", "checkpoint": None, "trained": False,
                          "note": "tiny random model (tellkit serve --untrained): LaTeX is noise"})

@@ -75,7 +75,15 @@ def load_backends(args) -> tuple[object | None, object | None]:
                                    "--checkpoint caption=DIR, --models math, or --untrained")
             captioner = TransformAndTellCaptioner.load(path, device=args.device)
     if "math" in wanted:
-        recognizer = BTTRMathRecognizer.untrained(device=args.device) if args.untrained else BTTRMathRecognizer.load(ckpts.get("math"), device=args.device)
+        if args.untrained:
+            recognizer = BTTRMathRecognizer.untrained(device=args.device)
+        else:
+            from tellkit.tasks.recognition import DEFAULT_CHECKPOINT as DEFAULT_MATH_CHECKPOINT
+
+            if "math" not in ckpts and not (DEFAULT_MATH_CHECKPOINT / "model.safetensors").is_file():
+                raise TellkitError(f"no math checkpoint at {DEFAULT_MATH_CHECKPOINT}; pass --checkpoint math=DIR, "
+                                   "--models caption, or --untrained")
+            recognizer = BTTRMathRecognizer.load(ckpts.get("math"), device=args.device)
     return captioner, recognizer
 
 

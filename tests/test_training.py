@@ -230,3 +230,20 @@ def test_sigterm_saves_and_stops_then_resumes(tmp_path):
     assert s["steps"] == 12
     a, b = weights(tmp_path / "full"), weights(tmp_path / "run")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_half_precision_inference_checkpoint(tmp_path):
+    from tellkit import load_model
+    from tellkit.training.export import export_checkpoint
+
+    run(toy_task.recipe(max_epochs=1), tmp_path / "run")
+    src = tmp_path / "run" / "checkpoints" / "best"
+    out = export_checkpoint(src, tmp_path / "export", note={"trained_on": "toy"})
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["task"] == "toy" and meta["train"]["max_epochs"] == 1 and meta["note"] == {"trained_on": "toy"}
+    assert meta["weights_dtype"] == "float16" and not (out / "optimizer.safetensors").exists()
+    a, b = load_model(src), load_model(out)
+    assert next(b.parameters()).dtype == torch.float32
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+    assert all(t.dtype == torch.float16 for t in load_file(str(out / "model.safetensors")).values())

@@ -16,7 +16,7 @@ import torch
 from PIL import Image, ImageDraw
 
 pytest.importorskip("fastapi")
-pytest.importorskip("multipart")
+pytest.importorskip("python_multipart")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from tellkit.errors import TellkitError  # noqa: E402

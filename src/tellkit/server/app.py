@@ -111,7 +111,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     from tellkit.utils.optional import require
 
     fastapi = require("fastapi", "server", "tellkit serve")
-    require("multipart", "server", "file uploads (python-multipart)")
+    require("python_multipart", "server", "file uploads (python-multipart)")
     from fastapi import File, Form, Request, UploadFile
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import FileResponse, JSONResponse

@@ -34,6 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--max-pixels", type=int, help="skip images with more pixels (decompression-bomb guard)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--overwrite", action="store_true", help="discard features already in OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -50,6 +51,11 @@ def run(args) -> int:
         raise TellkitError("--format needs --root (the data set's location)")
     if args.images and (args.root or args.split or args.image_root):
         raise TellkitError("--root/--split/--image-root go with --format, not --images")
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TellkitError("--device cuda asked for, but no CUDA device is available")
     if args.threads:
         import torch
 
@@ -66,6 +72,7 @@ def run(args) -> int:
         image_encoder=args.image_encoder, image_weights=args.image_weights, faces=not args.no_faces,
         facenet_weights=args.facenet_weights, article=args.article, article_encoder=args.article_encoder,
         dtype=args.dtype, shard_size=args.shard_size, batch_size=args.batch_size, max_pixels=args.max_pixels,
+        device=args.device,
     )
     summary = extract_features(items, args.out, cfg, overwrite=args.overwrite, progress=not args.no_progress,
                                log=lambda msg: print(msg, file=sys.stderr, flush=True))

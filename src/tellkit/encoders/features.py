@@ -62,11 +62,13 @@ class FeatureConfig:
     shard_size: int = 256
     batch_size: int = 16
     max_pixels: int | None = None
+    device: str = "cpu"
 
     def identity(self) -> dict:
-        """The fields that decide what is stored (batch size does not)."""
+        """The fields that decide what is stored (batch size and device do not)."""
         d = asdict(self)
         d.pop("batch_size")
+        d.pop("device")
         return d
 
 
@@ -152,17 +154,17 @@ class _Encoders:
     def __init__(self, cfg: FeatureConfig):
         from tellkit.encoders.image import build_image_encoder
 
-        self.image = build_image_encoder(cfg.image_encoder, cfg.image_weights)
+        self.image = build_image_encoder(cfg.image_encoder, cfg.image_weights).to(cfg.device)
         self.faces = None
         if cfg.faces:
             from tellkit.encoders.faces import FaceEncoder
 
-            self.faces = FaceEncoder(facenet_weights=cfg.facenet_weights, max_faces=MAX_FACES)
+            self.faces = FaceEncoder(facenet_weights=cfg.facenet_weights, max_faces=MAX_FACES).to(cfg.device)
         self.article = None
         if cfg.article:
             from tellkit.encoders.text import ArticleEncoder
 
-            self.article = ArticleEncoder(cfg.article_encoder)
+            self.article = ArticleEncoder(cfg.article_encoder).to(cfg.device)
 
 
 def _encode_shard(items: Sequence[FeatureItem], enc: _Encoders, cfg: FeatureConfig,
@@ -187,7 +189,7 @@ def _encode_shard(items: Sequence[FeatureItem], enc: _Encoders, cfg: FeatureConf
         if not ok:
             continue
         feats, _ = enc.image.encode(images)
-        grids.append(feats.to(dtype))
+        grids.append(feats.to(dtype).cpu())
         for it, img in zip(ok, images):
             if enc.faces is not None:
                 det = enc.faces.detect_and_embed(img)
@@ -206,7 +208,7 @@ def _encode_shard(items: Sequence[FeatureItem], enc: _Encoders, cfg: FeatureConf
             cap_ids = a.caption_ids(texts, out["offsets"])
             for b in range(len(ok)):
                 n = int(out["mask"][b].sum())
-                art_states.append(out["hidden"][b, :, :n].transpose(0, 1).to(dtype))  # [L, layers, D]
+                art_states.append(out["hidden"][b, :, :n].transpose(0, 1).to(dtype).cpu())  # [L, layers, D]
                 art_ids.append(cap_ids[b, :n].to(torch.int32))
                 art_lens.append(n)
         for it in ok:

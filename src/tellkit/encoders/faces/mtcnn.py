@@ -190,7 +190,7 @@ class MTCNN(nn.Module):
         for s in self._scales(H, W_):
             small = F.interpolate(img[None], size=(int(H * s + 1), int(W_ * s + 1)), mode="area")
             reg, prob = self.pnet(_normalise(small))
-            p = prob[0, 1].numpy()
+            reg, p = reg.cpu(), prob[0, 1].cpu().numpy()
             ys, xs = np.nonzero(p >= self.thresholds[0])
             if len(ys) == 0:
                 continue
@@ -208,14 +208,15 @@ class MTCNN(nn.Module):
         return np.column_stack([boxes, cand[:, 4]])
 
     def _refine(self, img: torch.Tensor, cand: np.ndarray, net: nn.Module, size: int, threshold: float):
-        out = net(_normalise(_crops(img, cand, size)))
-        reg, prob = out[0].numpy(), out[1][:, 1].numpy()
+        out = [o.cpu().numpy() for o in net(_normalise(_crops(img, cand, size)))]
+        reg, prob = out[0], out[1][:, 1]
         keep = prob >= threshold
-        return cand[keep, :4], prob[keep], reg[keep], (out[2].numpy()[keep] if len(out) > 2 else None)
+        return cand[keep, :4], prob[keep], reg[keep], (out[2][keep] if len(out) > 2 else None)
 
     @torch.no_grad()
     def detect(self, image: Image.Image) -> Detections:
-        img = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32).copy()).permute(2, 0, 1)
+        device = self.pnet.conv1.weight.device
+        img = torch.from_numpy(np.asarray(image.convert("RGB"), dtype=np.float32).copy()).permute(2, 0, 1).to(device)
         empty = Detections(np.zeros((0, 4), np.float32), np.zeros(0, np.float32), np.zeros((0, 5, 2), np.float32))
         cand = self._stage1(img)
         if len(cand) == 0:

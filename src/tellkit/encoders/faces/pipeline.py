@@ -58,8 +58,9 @@ class FaceEncoder(nn.Module):
         """uint8[F, 160, 160, 3] face crops -> float[F, 512] unit vectors."""
         if len(crops) == 0:
             return torch.zeros(0, self.dim)
-        x = torch.from_numpy(np.ascontiguousarray(crops)).permute(0, 3, 1, 2).float()
-        return self.facenet(standardize(x, self.standardization))
+        device = self.facenet.last_linear.weight.device
+        x = torch.from_numpy(np.ascontiguousarray(crops)).permute(0, 3, 1, 2).float().to(device)
+        return self.facenet(standardize(x, self.standardization)).cpu()
 
     @torch.no_grad()
     def detect_and_embed(self, image: Image.Image) -> dict:

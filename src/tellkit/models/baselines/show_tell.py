@@ -84,7 +84,7 @@ class ShowTell(nn.Module, PretrainedMixin):
         h = F.dropout(h, self.config.dropout, self.training)
         return token_loss(self.out.target_log_probs(h[mask], target[mask]), mask.sum())
 
-    def _step(self, last: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+    def _search_step(self, last: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
         h, (hh, cc) = self.lstm(self.embed(last)[:, None, :], (state["h"].transpose(0, 1).contiguous(),
                                                                 state["c"].transpose(0, 1).contiguous()))
         lp = self.out.log_probs(h[:, 0])
@@ -100,7 +100,7 @@ class ShowTell(nn.Module, PretrainedMixin):
         cfg = self.config
         h, c = self.start_state(batch)
         B = h.size(1)
-        out = search(self._step, {"h": h.transpose(0, 1), "c": c.transpose(0, 1)}, B, bos_id=cfg.bos_id,
+        out = search(self._search_step, {"h": h.transpose(0, 1), "c": c.transpose(0, 1)}, B, bos_id=cfg.bos_id,
                      eos_id=cfg.eos_id, pad_id=cfg.pad_id, max_len=max_len or cfg.max_len, beam_size=beam_size,
                      length_penalty=length_penalty, min_len=min_len, no_repeat_ngram_size=no_repeat_ngram_size,
                      n_best=n_best, device=h.device)

@@ -57,6 +57,8 @@ def test_bson_decoder_against_pymongo():
     assert got["t"].replace(tzinfo=None) == doc["t"]
     del got["t"], doc["t"]
     assert got == doc
+    nested = {"keep": 1, "a": [{"pos": ["x"] * 3, "k": 2}], "pos": "text"}
+    assert decode_document(bson.encode(nested), skip_fields=["pos"]) == {"keep": 1, "a": [{"k": 2}]}
 
 
 def test_nytimes_samples_from_the_archive():

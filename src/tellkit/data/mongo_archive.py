@@ -22,7 +22,7 @@ import io
 import os
 import struct
 import zlib
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 from tellkit.errors import TellkitError
 
@@ -44,12 +44,15 @@ def _cstring(buf: bytes, i: int) -> tuple[str, int]:
     return buf[i:end].decode("utf-8", "surrogateescape"), end + 1
 
 
-def _decode(buf: bytes, i: int, end: int, as_list: bool) -> Any:
+def _decode(buf: bytes, i: int, end: int, as_list: bool, skip: frozenset[str] = frozenset()) -> Any:
     out_d: dict[str, Any] = {}
     out_l: list[Any] = []
     while i < end - 1:
         t = buf[i]
         name, i = _cstring(buf, i + 1)
+        if name in skip and t in (0x02, 0x03, 0x04):  # not wanted: jump over its bytes
+            i += _I32.unpack_from(buf, i)[0] + (4 if t == 0x02 else 0)
+            continue
         if t == 0x01:  # double
             v = _F64.unpack_from(buf, i)[0]
             i += 8
@@ -59,7 +62,7 @@ def _decode(buf: bytes, i: int, end: int, as_list: bool) -> Any:
             i += 4 + n
         elif t in (0x03, 0x04):  # embedded document, array
             n = _I32.unpack_from(buf, i)[0]
-            v = _decode(buf, i + 4, i + n, t == 0x04)
+            v = _decode(buf, i + 4, i + n, t == 0x04, skip)
             i += n
         elif t == 0x05:  # binary
             n = _I32.unpack_from(buf, i)[0]
@@ -104,12 +107,13 @@ def _decode(buf: bytes, i: int, end: int, as_list: bool) -> Any:
     return out_l if as_list else out_d
 
 
-def decode_document(data: bytes) -> dict[str, Any]:
-    """Decode one BSON document (``data`` starts with its int32 length)."""
+def decode_document(data: bytes, skip_fields: Iterable[str] = ()) -> dict[str, Any]:
+    """Decode one BSON document (``data`` starts with its int32 length). Fields named in
+    ``skip_fields`` (strings, documents or arrays, at any depth) are left out undecoded."""
     if len(data) < 5 or _I32.unpack_from(data, 0)[0] != len(data):
         raise TellkitError("malformed BSON document (bad length)")
     try:
-        return _decode(data, 4, len(data), False)
+        return _decode(data, 4, len(data), False, frozenset(skip_fields))
     except (struct.error, ValueError, IndexError) as exc:
         raise TellkitError(f"malformed BSON document ({exc})") from exc
 
@@ -129,8 +133,8 @@ def _open(path: str | os.PathLike) -> BinaryIO:
 
 
 class _Reader:
-    def __init__(self, stream: BinaryIO, where: str):
-        self.s, self.where = stream, where
+    def __init__(self, stream: BinaryIO, where: str, skip_fields: Iterable[str] = ()):
+        self.s, self.where, self.skip = stream, where, frozenset(skip_fields)
 
     def exact(self, n: int) -> bytes:
         try:
@@ -157,7 +161,7 @@ class _Reader:
         if n < 5:
             raise TellkitError(f"{self.where}: corrupt archive (document length {n})")
         body = head + self.exact(n - 4)
-        return decode_document(body) if decode else body
+        return decode_document(body, self.skip) if decode else body
 
 
 def read_header(path: str | os.PathLike) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -188,10 +192,12 @@ def _prelude(r: _Reader) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return header, metas
 
 
-def iter_documents(path: str | os.PathLike, namespaces: set[str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield ``("db.collection", document)`` for every document of the wanted namespaces."""
+def iter_documents(path: str | os.PathLike, namespaces: set[str] | None = None,
+                   skip_fields: Iterable[str] = ()) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``("db.collection", document)`` for every document of the wanted namespaces;
+    ``skip_fields``: field names not to decode (e.g. NYTimes800k's bulky ``parts_of_speech``)."""
     with _open(path) as s:
-        r = _Reader(s, str(path))
+        r = _Reader(s, str(path), skip_fields)
         _prelude(r)
         while True:
             ns_head = r.block()

@@ -86,7 +86,7 @@ def load_nytimes_archive(
     object_feats: dict[str, Any] = {}
 
     def articles():
-        for ns, doc in iter_documents(path, wanted):
+        for ns, doc in iter_documents(path, wanted, skip_fields=("parts_of_speech",)):  # unused, bulky
             if ns.endswith(".objects"):
                 object_feats[str(doc.get("_id"))] = doc.get("object_features")
             else:

@@ -119,7 +119,7 @@ def backbone_hf_config(cfg: VGGPLMConfig):
             try:
                 hf = transformers.AutoConfig.from_pretrained(name)
             except (OSError, ValueError) as exc:
-                raise TellkitError(f"backbone '{name}' is neither a local folder nor reachable on the HF hub ({exc})") from exc
+                raise TellkitError(f"backbone '{name}' is neither a local folder nor reachable on the HF hub ({_one_line(exc)})") from exc
     if hf.model_type not in ("bart", "t5"):
         raise TellkitError(f"backbone {name}: model_type '{hf.model_type}' is not supported (bart or t5)")
     return hf
@@ -129,6 +129,10 @@ def _transformers():
     from tellkit.utils.optional import require
 
     return require("transformers", "all", "VG-BART / VG-T5 backbones")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def _config_to_dict(hf) -> dict[str, Any]:
@@ -329,7 +333,7 @@ class VGGPLM(nn.Module, PretrainedMixin):
         try:
             hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(self.config.backbone)
         except (OSError, ValueError) as exc:
-            raise TellkitError(f"cannot load backbone weights from '{self.config.backbone}' ({exc})") from exc
+            raise TellkitError(f"cannot load backbone weights from '{self.config.backbone}' ({_one_line(exc)})") from exc
         missing, unexpected = self.backbone.load_state_dict(hf.state_dict(), strict=False)
         if unexpected or [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]:
             raise TellkitError(f"backbone '{self.config.backbone}' does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
@@ -354,7 +358,7 @@ def load_tokenizer(source: str | os.PathLike, checkpoint: str | os.PathLike | No
         try:
             return transformers.AutoTokenizer.from_pretrained(c)
         except (OSError, ValueError) as exc:
-            errors.append(f"{c}: {exc}")
+            errors.append(f"{c}: {_one_line(exc)}")
     raise TellkitError("no tokenizer found (" + "; ".join(errors) + ")")
 
 

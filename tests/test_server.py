@@ -332,3 +332,21 @@ def test_load_benchmark_counts_requests_errors_and_percentiles():
         res = load_once(srv.url, 6, 3, photos, math)
     assert res["requests"] == 6 and res["math"]["ok"] == 3 and res["caption"]["ok"] == 0
     assert res["errors"] == 3 and res["error_examples"][0]["status"] == 503
+
+
+def test_large_images_are_shrunk_and_the_original_size_reported():
+    app = create_app(None, SlowEcho(delay=0.0), Limits(math_max_side=50), serve_page=False)
+    with TestClient(app) as c:
+        r = c.post("/api/recognize", files={"image": ("x.png", png(100, 60), "image/png")})
+        assert r.status_code == 200 and r.json()["latex"] == "w 50" and r.json()["resized_from"] == [100, 60]
+        r = c.post("/api/recognize", files={"image": ("x.png", png(40, 30), "image/png")})
+        assert r.json()["latex"] == "w 40" and r.json()["resized_from"] is None
+
+
+def test_admitted_requests_are_bounded():
+    app = create_app(None, SlowEcho(delay=0.5), Limits(max_inflight=2), max_batch=1, serve_page=False)
+    with ServerThread(app) as srv:
+        res = _concurrently(lambda i: post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")}), 5)
+    codes = sorted(s for s, _ in res)
+    assert codes.count(200) >= 2 and 503 in codes, codes
+    assert all(b["error"] == "busy" for s, b in res if s == 503)

@@ -23,7 +23,7 @@ from typing import Any
 
 from tellkit.errors import TellkitError
 from tellkit.server.batching import BatchWorker, QueueFull
-from tellkit.server.limits import Limits, RequestError, check_article, decode_image
+from tellkit.server.limits import Limits, RequestError, check_article, decode_image, fit_side
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 VENDOR_FILES = ("vendor/katex/katex.min.js", "vendor/katex/katex.min.css")
@@ -180,32 +180,52 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
             log.exception("%s model failed", name)
             raise RequestError(500, "model_error", f"the {name} model failed: {type(exc).__name__}: {exc}") from None
 
-    async def read_image(upload) -> Any:
+    def prepare(data: bytes, content_type: str | None, max_side: int):
+        return fit_side(decode_image(data, limits, content_type), max_side)
+
+    async def read_image(upload, max_side: int) -> Any:
         data = await upload.read()
-        return await run_in_threadpool(decode_image, data, limits, upload.content_type)
+        return await run_in_threadpool(prepare, data, upload.content_type, max_side)
+
+    inflight = {"n": 0}
+
+    @contextlib.contextmanager
+    def admitted():
+        """Bound the requests being decoded, queued or run at once (memory stays bounded)."""
+        if inflight["n"] >= limits.max_inflight:
+            raise RequestError(503, "busy", f"the server is handling {limits.max_inflight} requests; retry shortly")
+        inflight["n"] += 1  # the event loop is single-threaded: no lock needed
+        try:
+            yield
+        finally:
+            inflight["n"] -= 1
 
     # -- routes ---------------------------------------------------------------------------------
     @app.get("/health", tags=["status"], summary="Server status and the models it serves")
     def health() -> dict:
         return {"status": "ok", "version": _version(), "models": models,
-                "workers": {k: w.snapshot() for k, w in workers.items()},
+                "workers": {k: w.snapshot() for k, w in workers.items()}, "inflight": inflight["n"],
                 "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__}}
 
     @app.post("/api/caption", tags=["models"], summary="Caption an image, optionally in the context of an article")
     async def caption(image: UploadFile = File(..., description="PNG, JPEG, WebP, BMP or GIF"),
                       article: str | None = Form(None, description="article text (optional)")) -> dict:
         t0 = time.perf_counter()
-        text = check_article(article, limits)
-        img = await read_image(image)
-        res = await run_model("caption", (img, text), t0)
-        return {**res, "model": models["caption"], "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
+        with admitted():
+            text = check_article(article, limits)
+            img, original = await read_image(image, limits.caption_max_side)
+            res = await run_model("caption", (img, text), t0)
+        return {**res, "resized_from": original, "model": models["caption"],
+                "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
     @app.post("/api/recognize", tags=["models"], summary="Recognise a handwritten math expression as LaTeX")
     async def recognize(image: UploadFile = File(..., description="dark ink on a light background, or the reverse")) -> dict:
         t0 = time.perf_counter()
-        img = await read_image(image)
-        res = await run_model("math", img, t0)
-        return {**res, "model": models["math"], "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
+        with admitted():
+            img, original = await read_image(image, limits.math_max_side)
+            res = await run_model("math", img, t0)
+        return {**res, "resized_from": original, "model": models["math"],
+                "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
     if serve_page:
         @app.get("/", include_in_schema=False)

@@ -24,9 +24,13 @@ class Limits:
     max_article_chars: int = 20_000             # pasted article text
     request_timeout_s: float = 60.0             # queueing + model time per request
     max_queue: int = 64                         # waiting requests per model; beyond: 503
+    max_inflight: int = 32                      # requests admitted at once (all endpoints); beyond: 503
+    caption_max_side: int = 1600                # larger photos are shrunk first (MTCNN cost grows with pixels)
+    math_max_side: int = 1024                   # larger expression images are shrunk (CROHME: < 320k pixels)
 
     def __post_init__(self):
-        for name in ("max_upload_bytes", "max_image_pixels", "max_article_chars", "max_queue"):
+        for name in ("max_upload_bytes", "max_image_pixels", "max_article_chars", "max_queue", "max_inflight",
+                     "caption_max_side", "math_max_side"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if not self.request_timeout_s > 0:
@@ -83,6 +87,18 @@ def decode_image(data: bytes, limits: Limits, declared_type: str | None = None):
     except (OSError, SyntaxError, ValueError, EOFError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise RequestError(400, "corrupt_image", f"the image is corrupt or truncated ({msg})") from None
+
+
+def fit_side(img, max_side: int):
+    """Shrink (never enlarge) so that the longer side is at most ``max_side``; -> (image, original
+    size or None when unchanged). The response reports the original size."""
+    from PIL import Image
+
+    w, h = img.size
+    if max(w, h) <= max_side:
+        return img, None
+    f = max_side / max(w, h)
+    return img.resize((max(1, round(w * f)), max(1, round(h * f))), Image.BILINEAR), [w, h]
 
 
 def check_article(text: str | None, limits: Limits) -> str:

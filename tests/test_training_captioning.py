@@ -137,3 +137,11 @@ def test_tat_recipes_are_valid(name):
     assert cfg.lr > 0 and get_task(r["task"]) is CaptioningTask
     with torch.device("meta"):
         create_model(r)
+
+
+def test_train_caption_words_are_cached_beside_the_features(tmp_path):
+    task = CaptioningTask(recipe(tmp_path))
+    assert task.train_words == {"Mayor", "Jane", "Doe", "cuts", "the", "ribbon", "in", "Albany", "on", "Monday"}
+    r = recipe(tmp_path)
+    r["data"]["root"] = str(tmp_path / "gone")  # the data is not read again
+    assert CaptioningTask(r).train_words == task.train_words

@@ -327,7 +327,18 @@ class CaptioningTask(Task):
 
     @functools.cached_property
     def train_words(self) -> set[str]:
-        return {w for s in self.load_samples("train") for w in re.findall(r"\w+", s.caption)}
+        """Every word of every training caption (rare proper nouns are those outside it); kept
+        beside the feature cache, if any, so evaluation does not re-read the training data."""
+        cache = Path(self.data["features"]) / "train_caption_words.txt" if self.data.get("features") else None
+        if cache is not None and cache.is_file():
+            return set(cache.read_text(encoding="utf-8").split())
+        words = {w for s in self.load_samples("train") for w in re.findall(r"\w+", s.caption)}
+        if cache is not None:
+            from tellkit.checkpoint import atomic_write_bytes
+
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(cache, "\n".join(sorted(words)).encode("utf-8"))
+        return words
 
     def score(self, predictions):
         from tellkit.metrics.caption import METRICS, score_captions_detailed

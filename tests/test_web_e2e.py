@@ -125,6 +125,18 @@ def test_caption_flow_shows_caption_heatmap_and_article_attention(page, tmp_path
     page.screenshot(path=str(artifact_dir() / "web_e2e_caption.png"), full_page=True)
 
 
+def test_detected_faces_are_drawn_and_weighted(page):
+    demo = ROOT / "src" / "tellkit" / "assets" / "demo_caption"
+    page.set_input_files("#caption-file", str(demo / "astronaut.jpg"))  # NASA portrait (public domain)
+    page.fill("#article", (demo / "astronaut.txt").read_text(encoding="utf-8"))
+    page.click("#caption-submit")
+    page.wait_for_selector("#caption .word")
+    assert page.get_attribute("#overlay", "data-faces") == "1"
+    item = page.inner_text("#faces li")
+    assert item.startswith("face 1") and item.strip().endswith("%")
+    page.screenshot(path=str(artifact_dir() / "web_e2e_faces.png"), full_page=True)
+
+
 def test_errors_are_shown_to_the_person(page, tmp_path):
     bad = tmp_path / "notes.txt"
     bad.write_text("this is not an image")

@@ -203,6 +203,7 @@ function drawOverlay(res, att) {
     ctx.strokeRect(box[0] * sx, box[1] * sy, (box[2] - box[0]) * sx, (box[3] - box[1]) * sy);
     ctx.setLineDash([]);
   }
+  cv.dataset.faces = String((res.faces || []).length);
   const fw = att.faces || [];
   const fmax = Math.max(...fw, 1e-9);
   (res.faces || []).forEach((f, k) => {

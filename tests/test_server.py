@@ -330,8 +330,12 @@ def test_load_benchmark_counts_requests_errors_and_percentiles():
     app = create_app(None, SlowEcho(delay=0.01), serve_page=False)  # no captioner: caption requests fail (503)
     with ServerThread(app) as srv:
         res = load_once(srv.url, 6, 3, photos, math)
-    assert res["requests"] == 6 and res["math"]["ok"] == 3 and res["caption"]["ok"] == 0
-    assert res["errors"] == 3 and res["error_examples"][0]["status"] == 503
+        assert res["requests"] == 6 and res["math"]["ok"] == 3 and res["caption"]["ok"] == 0
+        assert res["errors"] == 3 and res["error_examples"][0]["status"] == 503
+        res = load_once(srv.url, 16, 4, photos, math, bad_every=4)  # 4 bad requests, each of BAD_REQUESTS once
+    # limits and validation answer before the (missing) captioner is needed
+    assert res["bad_requests"] == {"sent": 4, "answered_expected_4xx": 4}
+
 
 
 def test_large_images_are_shrunk_and_the_original_size_reported():

@@ -1,7 +1,7 @@
 """Bounded load test of ``tellkit serve`` over loopback: a fixed number of caption and math
-requests from several concurrent clients; throughput, latency percentiles, errors (must be
-zero) and the server's peak memory, with request batching on (``--max-batch 8``) and off
-(``--max-batch 1``).
+requests from several concurrent clients, one in eight of them a bad request that must get its
+4xx; throughput, latency percentiles (good requests), errors (must be zero) and the server's
+peak memory, with request batching on (``--max-batch 8``) and off (``--max-batch 1``).
 
 The server runs as its own process (``python -m tellkit serve --api-only``, bound to 127.0.0.1),
 so its peak resident memory is read exactly from ``/proc/<pid>/status`` (VmHWM) and the client
@@ -105,12 +105,32 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, timeout: float = 120.0) -> dict[str, Any]:
-    """Send ``n_requests`` (alternating caption / math) from ``concurrency`` client threads."""
+# Bad requests mixed into the load: (endpoint, files, fields, the 4xx status expected).
+BAD_REQUESTS = [
+    ("/api/caption", {"image": ("notes.txt", b"not an image", "text/plain")}, {}, 415),
+    ("/api/recognize", {"image": ("x.png", b"\x89PNG\r\n\x1a\n garbage", "image/png")}, {}, 400),
+    ("/api/caption", None, {"article": "an article without its image"}, 422),
+    ("/api/caption", "photo", {"article": "x" * 20_001}, 413),
+]
+
+
+def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, timeout: float = 120.0,
+              bad_every: int = 0) -> dict[str, Any]:
+    """Send ``n_requests`` from ``concurrency`` client threads: alternating caption / math, and
+    with ``bad_every=k`` every k-th request is a bad one (wrong type, garbage, missing image,
+    over-long article) that must get its expected 4xx. An error is any good request that did not
+    get 200 or any bad one that did not get its 4xx."""
     from tellkit.server.runner import post
 
     def one(i: int):
         t0 = time.perf_counter()
+        if bad_every and i % bad_every == bad_every - 1:
+            path, files, fields, want = BAD_REQUESTS[(i // bad_every) % len(BAD_REQUESTS)]
+            if files == "photo":
+                name, data, _ = photos[0]
+                files = {"image": (name, data, "image/jpeg")}
+            status, body = post(url + path, fields=fields, files=files, timeout=timeout)
+            return "bad", status, time.perf_counter() - t0, (None if status == want else body)
         if i % 2 == 0:
             name, data, article = photos[(i // 2) % len(photos)]
             status, body = post(url + "/api/caption", fields={"article": article},
@@ -125,13 +145,16 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
     with ThreadPoolExecutor(concurrency) as pool:
         rows = list(pool.map(one, range(n_requests)))
     wall = time.perf_counter() - t0
-    errors = [{"kind": k, "status": s, "body": b} for k, s, _, b in rows if s != 200]
+    errors = [{"kind": k, "status": s, "body": b} for k, s, _, b in rows if b is not None]
     out: dict[str, Any] = {"requests": n_requests, "concurrency": concurrency, "wall_s": round(wall, 2),
                            "throughput_rps": round(n_requests / wall, 2), "errors": len(errors),
-                           "error_examples": errors[:3], "latency": _percentiles([t for _, _, t, _ in rows])}
+                           "error_examples": errors[:3],
+                           "latency": _percentiles([t for k, _, t, _ in rows if k != "bad"])}
     for kind in ("caption", "math"):
         ts = [t for k, s, t, _ in rows if k == kind and s == 200]
         out[kind] = {"ok": len(ts), **_percentiles(ts)}
+    bad = [(s, b) for k, s, _, b in rows if k == "bad"]
+    out["bad_requests"] = {"sent": len(bad), "answered_expected_4xx": sum(b is None for _, b in bad)}
     return out
 
 
@@ -152,7 +175,7 @@ def run(quick: bool = False, device: str = "cpu", requests: int | None = None, c
             idle = _proc_status(proc.pid)
             load_once(url, 4, 2, photos, math)  # warm-up (first-call allocations), not counted
             warm = _proc_status(proc.pid)
-            stats = load_once(url, n, concurrency, photos, math)
+            stats = load_once(url, n, concurrency, photos, math, bad_every=8)
             after = _proc_status(proc.pid)
             workers = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["workers"]
         finally:
@@ -188,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "serve_load.json", record)
     for label, r in res["runs"].items():
-        print(f"{label}: {r['throughput_rps']} req/s, p50 {r['latency'].get('p50_ms')} ms, p99 {r['latency'].get('p99_ms')} ms, "
+        print(f"{label}: {r['throughput_rps']} req/s ({r['bad_requests']['sent']} bad), p50 {r['latency'].get('p50_ms')} ms, p99 {r['latency'].get('p99_ms')} ms, "
               f"errors {r['errors']}, peak RSS {r['memory_mib']['peak_rss']} MiB")
     print(f"wrote {out / 'serve_load.json'}")
     return 0 if res["total_errors"] == 0 else 1

@@ -254,7 +254,9 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
-    command = "tellkit table " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else None
+    import shlex
+
+    command = ("tellkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:2] == ["table"] else None
     atomic_write_json(out / "table.json", {"split": args.split, "budget": args.budget, "overrides": args.overrides,
                                            "data": args.data, "command": command, "rows": rows})
     atomic_write_bytes(out / "table.md", table.encode("utf-8"))

@@ -57,7 +57,7 @@ def test_table_trains_evaluates_and_prints_every_caption_baseline(tmp_path, shar
                            "--device", "cpu", "--threads", 1)
     assert rc == 0, err
     lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
-    assert lines[0].startswith("| Model | BLEU-4 | ROUGE |") and "CIDEr" in lines[0]
+    assert lines[0].startswith("| Model | BLEU-4 | ROUGE |") and "CIDEr" in lines[0] and "Best val loss" in lines[0]
     assert len(lines) == 2 + len(rows)
     table = json.loads((out / "table.json").read_text(encoding="utf-8"))
     assert (out / "table.md").read_text(encoding="utf-8") == "\n".join(lines) + "\n"
@@ -99,8 +99,9 @@ def test_train_then_evaluate_show_attend_tell_directly(tmp_path, shared_data):
 
 
 def test_table_rejects_bad_input(tmp_path):
-    rc, _, err = _cli("table", tmp_path / "missing.yaml", "--out", tmp_path / "t")
-    assert rc == 2 and "config not found" in err
+    rc, stdout, err = _cli("table", tmp_path / "missing.yaml", "--out", tmp_path / "t")
+    assert rc == 1 and "config not found" in err and "failed: config not found" in stdout
+    assert json.loads((tmp_path / "t" / "table.json").read_text(encoding="utf-8"))["rows"][0]["error"]
     rc, _, err = _cli("table", F8K / "show_tell.yaml", "--budget", 0, "--out", tmp_path / "t")
     assert rc == 2 and "--budget" in err
 

@@ -209,19 +209,25 @@ def run_row(path, args, log) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The table: one line per row; a metric column appears when any row has it."""
-    tasks = {r["task"] for r in rows}
+    """The table: one line per row; a metric column appears when any row has it; a failed row
+    shows its error."""
+    done = [r for r in rows if "error" not in r]
+    tasks = {r["task"] for r in done}
     cols = [c for t in sorted(tasks) for c in COLUMNS.get(t, [])]
     seen, columns = set(), []
     for key, title in cols:
-        if key not in seen and any(key in r["metrics"] for r in rows):
+        if key not in seen and any(key in r["metrics"] for r in done):
             seen.add(key)
             columns.append((key, title))
     if not columns:  # an unknown task: every metric
-        columns = [(k, k) for k in sorted({k for r in rows for k in r["metrics"]})]
-    head = ["Model", *[t for _, t in columns], "Params", "Steps", "Val " + rows[0]["monitor"]]
+        columns = [(k, k) for k in sorted({k for r in done for k in r["metrics"]})]
+    monitors = sorted({r["monitor"] for r in done}) or ["loss"]
+    head = ["Model", *[t for _, t in columns], "Params", "Steps", "Best val " + "/".join(monitors)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for r in rows:
+        if "error" in r:
+            lines.append("| " + " | ".join([r["row"], "failed: " + r["error"].replace("|", "/")] + [""] * (len(head) - 2)) + " |")
+            continue
         cells = [r["row"]]
         cells += [f"{r['metrics'][k]:.2f}" if k in r["metrics"] else "" for k, _ in columns]
         cells += [f"{r['params'] / 1e6:.2f}M", str(r["steps"]),
@@ -250,7 +256,13 @@ def run(args) -> int:
     def log(msg: str) -> None:
         print(f"[tellkit table] {msg}", file=sys.stderr, flush=True)
 
-    rows = [run_row(c, args, log) for c in args.configs]
+    rows = []
+    for c in args.configs:  # a row that fails (bad recipe, missing file) is reported, the others still run
+        try:
+            rows.append(run_row(c, args, log))
+        except TellkitError as exc:
+            log(f"{c}: FAILED: {exc}")
+            rows.append({"row": str(c), "config": str(c), "error": str(exc)})
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
@@ -262,4 +274,8 @@ def run(args) -> int:
     atomic_write_bytes(out / "table.md", table.encode("utf-8"))
     print(table, end="")
     print(json.dumps({"table_json": str(out / "table.json"), "table_md": str(out / "table.md")}))
+    failed = [r["row"] for r in rows if "error" in r]
+    if failed:
+        log(f"{len(failed)} of {len(rows)} rows failed: {', '.join(failed)}")
+        return 1
     return 0

@@ -75,6 +75,10 @@ def test_health_says_which_models_and_that_they_are_untrained(client):
 def test_openapi_schema_published_and_no_cdn_docs(client):
     schema = client.get("/openapi.json").json()
     assert {"/health", "/api/caption", "/api/recognize"} <= set(schema["paths"])
+    for path, model in (("/api/caption", "CaptionResponse"), ("/api/recognize", "RecognizeResponse")):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert model in json.dumps(responses["200"]) and "ErrorBody" in json.dumps(responses["413"])
+        assert {"400", "413", "415", "422", "503", "504"} <= set(responses)
     assert client.get("/docs").status_code == 404  # Swagger UI would load from a CDN
     page = client.get("/")
     assert page.status_code == 200 and "/static/vendor/katex/katex.min.js" in page.text

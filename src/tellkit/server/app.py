@@ -200,6 +200,58 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         finally:
             inflight["n"] -= 1
 
+    from pydantic import BaseModel
+
+    class ErrorBody(BaseModel):
+        error: str
+        detail: str
+
+    class Token(BaseModel):
+        id: int
+        text: str
+        attention: dict[str, list[float]]  # context -> weights (image cells / article tokens / faces)
+
+    class Grid(BaseModel):
+        rows: int
+        cols: int
+        box: list[float]  # [x0, y0, x1, y1] of the image the grid covers
+
+    class Face(BaseModel):
+        box: list[float]
+        score: float
+
+    class ArticleToken(BaseModel):
+        text: str
+        start: int
+        end: int
+
+    class CaptionResponse(BaseModel):
+        caption: str
+        tokens: list[Token]
+        score: float | None  # log-probability; null when not finite
+        image_size: list[int]
+        resized_from: list[int] | None
+        grid: Grid
+        faces: list[Face]
+        article_text: str
+        article_tokens: list[ArticleToken]
+        model: dict[str, Any]
+        elapsed_ms: float
+
+    class RecognizeResponse(BaseModel):
+        latex: str
+        tokens: list[str]
+        score: float | None
+        resized_from: list[int] | None
+        model: dict[str, Any]
+        elapsed_ms: float
+
+    def errors(*codes: int) -> dict:
+        text = {400: "unreadable image", 413: "body, image or article over a limit", 415: "not an accepted image",
+                422: "missing field or input the model refuses", 503: "model not loaded or server busy",
+                504: "timed out"}
+        return {c: {"model": ErrorBody, "description": text[c]} for c in codes}
+
     # -- routes ---------------------------------------------------------------------------------
     @app.get("/health", tags=["status"], summary="Server status and the models it serves")
     def health() -> dict:
@@ -207,7 +259,8 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
                 "workers": {k: w.snapshot() for k, w in workers.items()}, "inflight": inflight["n"],
                 "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__}}
 
-    @app.post("/api/caption", tags=["models"], summary="Caption an image, optionally in the context of an article")
+    @app.post("/api/caption", tags=["models"], summary="Caption an image, optionally in the context of an article",
+              responses=errors(400, 413, 415, 422, 503, 504), response_model=CaptionResponse)
     async def caption(image: UploadFile = File(..., description="PNG, JPEG, WebP, BMP or GIF"),
                       article: str | None = Form(None, description="article text (optional)")) -> dict:
         t0 = time.perf_counter()
@@ -218,7 +271,8 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         return {**res, "resized_from": original, "model": models["caption"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
-    @app.post("/api/recognize", tags=["models"], summary="Recognise a handwritten math expression as LaTeX")
+    @app.post("/api/recognize", tags=["models"], summary="Recognise a handwritten math expression as LaTeX",
+              responses=errors(400, 413, 415, 422, 503, 504), response_model=RecognizeResponse)
     async def recognize(image: UploadFile = File(..., description="dark ink on a light background, or the reverse")) -> dict:
         t0 = time.perf_counter()
         with admitted():

@@ -40,6 +40,12 @@ class MathRecognizer(Protocol):
     def recognize(self, images: Sequence[Any]) -> list[dict[str, Any]]: ...
 
 
+def _finite(x) -> float | None:
+    """JSON has no infinities: a search that found nothing scores -inf -> None."""
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
 def _checkpoint_info(family: str, path: Path | None, meta: dict[str, Any], trained: bool | None = None) -> dict[str, Any]:
     """What /health and every response say about a model. A checkpoint counts as trained when
     the training loop wrote it (its metadata has a ``train`` section) unless told otherwise."""
@@ -198,7 +204,7 @@ class TransformAndTellCaptioner:
             res = {
                 "caption": self.tokenizer.decode(toks).strip(),
                 "tokens": pieces,
-                "score": float(out["scores"][b]),
+                "score": _finite(out["scores"][b]),
                 "image_size": [im.width, im.height],
                 "grid": {"rows": rows, "cols": cols, "box": _crop_box(im.width, im.height, tf.resize, tf.crop)},
                 "faces": faces[b],
@@ -268,5 +274,6 @@ class BTTRMathRecognizer:
                          "note": "tiny random model (tellkit serve --untrained): LaTeX is noise"})
 
     def recognize(self, images: Sequence[Any]) -> list[dict[str, Any]]:
-        return self.rec.recognize(list(images), batch_size=max(1, len(images)), beam_size=self.beam_size,
-                                  max_len=self.max_len)
+        out = self.rec.recognize(list(images), batch_size=max(1, len(images)), beam_size=self.beam_size,
+                                 max_len=self.max_len)
+        return [{**r, "score": _finite(r["score"])} for r in out]

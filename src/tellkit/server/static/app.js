@@ -293,7 +293,7 @@ async function recognize(file) {
     $("math-result").hidden = false;
     $("latex").textContent = res.latex;
     renderLatex(res.latex);
-    $("math-model-line").textContent = `model: ${describeModel(res.model)}; score ${res.score.toFixed(3)}; ${res.elapsed_ms} ms`;
+    $("math-model-line").textContent = `model: ${describeModel(res.model)}; score ${res.score === null ? "n/a" : res.score.toFixed(3)}; ${res.elapsed_ms} ms`;
   } catch (err) {
     showError("Recognition failed: " + err.message);
   } finally {

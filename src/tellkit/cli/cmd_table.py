@@ -154,6 +154,7 @@ def run_row(path, args, log) -> dict:
     if "task" not in recipe:
         raise TellkitError(f"{cfg_path}: the recipe has no 'task:'")
     if recipe["task"] == "captioning":
+        recipe["data"] = dict(recipe.get("data") or {})
         if not cacheable(recipe):
             recipe["data"].pop("features", None)  # encoded in memory, shared across rows (see _task)
         elif args.features:

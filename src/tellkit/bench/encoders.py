@@ -13,24 +13,22 @@ import torch
 from tellkit.bench import timed
 
 
-def _photo(name: str):
+def _photo_path(name: str) -> str:
     import skimage.data
 
-    from tellkit.encoders.preprocess import load_image
-
-    return load_image(os.path.join(skimage.data.data_dir, name))
+    return os.path.join(skimage.data.data_dir, name)
 
 
 def _cases(quick: bool, device: str) -> dict[str, Any]:
     """name -> zero-argument callable doing one image's (or one article's) work."""
     from tellkit.encoders.faces import FaceEncoder
     from tellkit.encoders.image import build_image_encoder
-    from tellkit.encoders.preprocess import ImageNetTransform
+    from tellkit.encoders.preprocess import ImageNetTransform, load_image
     from tellkit.encoders.text import ArticleEncoder
     from tellkit.encoders.tokenizer import CaptionTokenizer
 
-    portrait, no_face = _photo("astronaut.png"), _photo("coffee.png")
-    path = os.path.join(__import__("skimage.data").data.data_dir, "astronaut.png")
+    path = _photo_path("astronaut.png")
+    portrait, no_face = load_image(path), load_image(_photo_path("coffee.png"))
     transform = ImageNetTransform()
     mobilenet = build_image_encoder("mobilenet_v2").to(device)
     faces = FaceEncoder().to(device) if device == "cpu" else None
@@ -39,7 +37,6 @@ def _cases(quick: bool, device: str) -> dict[str, Any]:
     text = " ".join(["The mayor of Springfield said on Tuesday that the budget would pass."] * 60)
     tok = CaptionTokenizer.load()
     caption = "Senator Jane Doe, left, with Gov. John Smith in Albany on Tuesday, March 3, 2020."
-    from tellkit.encoders.preprocess import load_image
 
     cases = {
         "load_image_512px": lambda: load_image(path),

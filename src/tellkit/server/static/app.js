@@ -28,7 +28,8 @@ async function checkHealth() {
     const c = h.models.caption, m = h.models.math;
     st.textContent = `caption: ${describeModel(c)} | math: ${describeModel(m)}`;
     st.className = "status" + ([c, m].some((x) => x && !x.trained) ? " untrained" : "");
-    st.title = [c, m].filter((x) => x && x.note).map((x) => x.note).join("\n");
+    st.title = [c, m].filter((x) => x && x.note)
+      .map((x) => (typeof x.note === "string" ? x.note : JSON.stringify(x.note))).join("\n");
   } catch (err) {
     st.textContent = "server unreachable";
     st.className = "status down";

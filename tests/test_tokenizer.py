@@ -133,3 +133,11 @@ def test_missing_packaged_files_name_the_install_command(monkeypatch):
     finally:
         T.rebuild_roberta_vocab.cache_clear()
         T._offline.cache_clear()
+
+
+def test_ids_for_spans_align_by_character(tok):
+    text = "Hi Barack Obama."
+    spans = [[(0, 0), (3, 9), (10, 15), (12, 15), (15, 16)], [(0, 2)]]
+    ids = tok.ids_for_spans([text, "Hi"], spans)
+    assert ids.tolist() == [[-1, tok.encode(" Barack")[0], tok.encode(" Obama")[0], -1, tok.encode(".")[0]],
+                            [tok.encode(" Hi")[0], -1, -1, -1, -1]]

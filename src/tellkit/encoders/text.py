@@ -127,14 +127,7 @@ class ArticleEncoder(nn.Module):
             enc = self._tokenize(texts, min(max_tokens, self.max_tokens))
             lengths = enc["attention_mask"].sum(1).tolist()
             offsets = [[tuple(o) for o in enc["offset_mapping"][b, :n].tolist()] for b, n in enumerate(lengths)]
-        L = max((len(o) for o in offsets), default=0)
-        out = torch.full((len(texts), L), -1, dtype=torch.long)
-        for b, (text, spans) in enumerate(zip(texts, offsets)):
-            pieces = self.caption_tokenizer.word_pieces(text)
-            for i, (s, e) in enumerate(spans):
-                if e > s and s in pieces:
-                    out[b, i] = pieces[s]
-        return out
+        return self.caption_tokenizer.ids_for_spans(texts, offsets)
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, num_layers={self.num_layers}, dim={self.dim}, max_tokens={self.max_tokens}"

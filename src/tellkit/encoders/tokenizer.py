@@ -218,6 +218,22 @@ class CaptionTokenizer:
                     out.setdefault(start + s - 1, i)
         return out
 
+    def ids_for_spans(self, texts: Sequence[str], spans: Sequence[Sequence[tuple[int, int]]]):
+        """long[B, L] (L = the longest span list): for each ``(start, end)`` character span of
+        another tokenizer's tokens (e.g. an article encoder's offsets), the caption id of the
+        :meth:`word_pieces` piece starting at ``start``; -1 for none, empty spans and padding.
+        This is how the copy head learns which caption id copying an article token emits."""
+        import torch
+
+        L = max((len(s) for s in spans), default=0)
+        out = torch.full((len(texts), L), -1, dtype=torch.long)
+        for b, (text, row) in enumerate(zip(texts, spans)):
+            pieces = self.word_pieces(text)
+            for i, (s, e) in enumerate(row):
+                if e > s and s in pieces:
+                    out[b, i] = pieces[s]
+        return out
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special tokens (bos, pad, eos, unk, mask) are dropped."""
         keep = [int(i) for i in ids if int(i) not in self.special_ids]

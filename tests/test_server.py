@@ -358,3 +358,41 @@ def test_admitted_requests_are_bounded():
     codes = sorted(s for s, _ in res)
     assert codes.count(200) >= 2 and 503 in codes, codes
     assert all(b["error"] == "busy" for s, b in res if s == 503)
+
+
+def test_article_context_is_built_as_in_training(backends):
+    from tellkit.server.backends import article_sample
+
+    assert article_sample("Title line\n\nFirst  para\ncontinues.\n\n\nSecond.").paragraphs == \
+        ["Title line", "First  para\ncontinues.", "Second."]
+    assert article_sample("one\ntwo\n\n").paragraphs == ["one", "two"]
+    assert article_sample("   ").paragraphs == []
+    cap, _ = backends
+    long = "\n\n".join(f"Paragraph {i} tells of the harbour, the mayor and the storm." for i in range(80))
+    im = Image.open(io.BytesIO(png())).convert("RGB")
+    res = cap.caption([(im, long), (im, "")])
+    read, empty = res[0], res[1]
+    # cut to the encoder's budget (512 tokens with [CLS]/[SEP]) at a paragraph/word boundary
+    assert len(read["article_tokens"]) <= 512 and read["article_tokens"][-1]["text"] == "[SEP]"
+    assert 0 < len(read["article_text"]) < len(long) and long.startswith(read["article_text"].split("\n")[0])
+    assert empty["article_text"] == "" and [t["text"] for t in empty["article_tokens"]] == ["[CLS]", "[SEP]"]
+    # padding the shorter article in the same batch does not leak into its attention
+    assert all(len(t["attention"]["article"]) == 2 for t in empty["tokens"])
+
+
+def test_batched_caption_equals_caption_alone(backends):
+    """Sharing a forward pass must not change a request's answer (padding of articles and faces)."""
+    from tellkit.encoders.preprocess import load_image
+
+    cap, _ = backends
+    demo = os.path.join(os.path.dirname(__file__), "..", "src", "tellkit", "assets", "demo_caption")
+    face = load_image(os.path.join(demo, "astronaut.jpg"))
+    cat = load_image(os.path.join(demo, "chelsea.jpg"))
+    article = open(os.path.join(demo, "astronaut.txt"), encoding="utf-8").read()
+    alone = cap.caption([(cat, "A cat.")])[0]
+    together = cap.caption([(face, article), (cat, "A cat.")])
+    assert len(together[0]["faces"]) == 1 and together[1]["faces"] == []
+    assert together[1]["caption"] == alone["caption"]
+    for a, b in zip(alone["tokens"], together[1]["tokens"]):
+        for name in ("image", "article"):
+            assert np.allclose(a["attention"][name], b["attention"][name], atol=1e-4)

@@ -112,7 +112,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
 
     fastapi = require("fastapi", "server", "tellkit serve")
     require("python_multipart", "server", "file uploads (python-multipart)")
-    from fastapi import File, Form, Request, UploadFile
+    from fastapi import File, Form, UploadFile
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import FileResponse, JSONResponse
     from fastapi.staticfiles import StaticFiles
@@ -170,9 +170,9 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
             raise RequestError(503, "busy", f"{exc}; retry shortly") from None
         left = limits.request_timeout_s - (time.perf_counter() - t0)
         try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout=max(left, 0.001))
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout=max(left, 0.001))
         except asyncio.TimeoutError:
-            fut.cancel()  # dropped by the worker if it has not started yet
+            fut.cancel()  # (wait_for cancels it too) dropped by the worker if it has not started yet
             raise RequestError(504, "timeout", f"the request took longer than {limits.request_timeout_s:g} s") from None
         except TellkitError as exc:
             raise RequestError(422, "bad_input", str(exc)) from None

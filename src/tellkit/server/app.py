@@ -36,7 +36,7 @@ def check_static() -> None:
     if missing:
         raise TellkitError(
             f"the demo page's files are missing under {STATIC_DIR}: {', '.join(missing)}. KaTeX is installed by "
-            "`make setup` (or `make vendor`) from the npm registry; run it, or start with --api-only")
+            "`make setup` from the npm registry; run it, or start with --api-only")
 
 
 class _BodyLimit:

@@ -396,3 +396,16 @@ def test_batched_caption_equals_caption_alone(backends):
     for a, b in zip(alone["tokens"], together[1]["tokens"]):
         for name in ("image", "article"):
             assert np.allclose(a["attention"][name], b["attention"][name], atol=1e-4)
+
+
+def test_missing_katex_fails_clearly(tmp_path, monkeypatch):
+    import shutil
+
+    from tellkit.server import app as app_module
+
+    for f in ("index.html", "app.js", "style.css"):
+        shutil.copy(app_module.STATIC_DIR / f, tmp_path / f)
+    monkeypatch.setattr(app_module, "STATIC_DIR", tmp_path)
+    with pytest.raises(TellkitError, match="katex.min.js.*make setup"):
+        create_app(None, None)
+    create_app(None, None, serve_page=False)  # the API alone does not need it

@@ -208,18 +208,12 @@ class StaticVectors:
     def caption_ids(self, texts: Sequence[str], offsets: Sequence[Sequence[tuple[int, int]]] | None = None,
                     max_tokens: int = DEFAULT_MAX_TOKENS) -> torch.Tensor:
         """long[B, L]: the caption-vocabulary id of each kept word (for the copy head), -1 where
-        none; found by character offsets, as :meth:`ArticleEncoder.caption_ids`."""
+        none; found by character offsets (``CaptionTokenizer.ids_for_spans``), as
+        :meth:`ArticleEncoder.caption_ids`."""
         texts = list(texts)
         if offsets is None:
             offsets = self.encode(texts, max_tokens)["offsets"]
-        L = max((len(o) for o in offsets), default=0)
-        out = torch.full((len(texts), L), -1, dtype=torch.long)
-        for b, (text, spans) in enumerate(zip(texts, offsets)):
-            pieces = self.caption_tokenizer.word_pieces(text)
-            for i, (s, e) in enumerate(spans):
-                if e > s and s in pieces:
-                    out[b, i] = pieces[s]
-        return out
+        return self.caption_tokenizer.ids_for_spans(texts, offsets)
 
 
 def _local_input_embeddings(path: str) -> torch.Tensor | None:

@@ -55,6 +55,16 @@ def _checkpoint_info(family: str, path: Path | None, meta: dict[str, Any], train
     for key in ("task", "step", "tellkit_version", "weights_dtype", "note"):
         if key in meta:
             info[key] = meta[key]
+    state = Path(path) / "trainer_state.json" if path else None
+    if state is not None and state.is_file():  # a training-loop checkpoint: how far it got
+        import json
+
+        try:
+            st = json.loads(state.read_text(encoding="utf-8"))
+            info["train_steps"] = st.get("step")
+            info["best"] = {"value": st.get("best"), "step": st.get("best_step")}
+        except (OSError, ValueError):
+            pass
     return info
 
 

@@ -141,6 +141,10 @@ function renderArticle(res) {
   view.textContent = "";
   state.articleSpans = [];
   const text = res.article_text || "";
+  if (!((res.model && res.model.contexts) || []).includes("article")) {
+    view.textContent = "(this model does not read the article)";
+    return;
+  }
   if (!text) { view.textContent = "(no article given)"; return; }
   const toks = (res.article_tokens || []).map((t, i) => ({ ...t, i })).filter((t) => t.end > t.start)
     .sort((a, b) => a.start - b.start);

@@ -17,7 +17,8 @@ window.addEventListener("unhandledrejection", (e) => showError("Page error: " + 
 function describeModel(info) {
   if (!info) return "not loaded";
   const where = info.checkpoint ? info.checkpoint.split("/").slice(-3).join("/") : "no checkpoint";
-  return `${info.name || info.family} (${info.trained ? "trained" : "UNTRAINED"}, ${where})`;
+  const trained = info.trained ? (info.train_steps ? `trained ${info.train_steps} steps` : "trained") : "UNTRAINED";
+  return `${info.name || info.family} (${trained}, ${where})`;
 }
 
 async function checkHealth() {

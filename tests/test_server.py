@@ -262,6 +262,14 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
     assert loaded.info["trained"] is True and loaded.info["checkpoint"] == str(tmp_path / "tat")
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), cap.model.state_dict().values()))
 
+    # a run folder from the training loop: checkpoints/best -> step_N with trainer_state.json
+    step = tmp_path / "run" / "checkpoints" / "step_00000007"
+    save_model(cap.model, step, extra={"task": "captioning", "train": {"lr": 1e-3}})
+    (step / "trainer_state.json").write_text(json.dumps({"step": 7, "best": 3.5, "best_step": 7}))
+    os.symlink("step_00000007", tmp_path / "run" / "checkpoints" / "best")
+    run = TransformAndTellCaptioner.load(tmp_path / "run")
+    assert run.info["checkpoint"].endswith("checkpoints/best") and run.info["train_steps"] == 7
+
     from tellkit.registry import create_model
 
     bad = create_model("tat/tiny", image_dim=16, article_dim=384, article_layers=7, contexts=["image", "article"])

@@ -23,7 +23,9 @@ from tellkit.training.evaluation import run_eval  # noqa: E402
 
 @pytest.mark.slow
 def test_two_process_step_equals_single_process_step(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # gloo over the loopback interface only: its peers then never resolve this host's name to
+    # another interface (a source of rare aborts in gloo's TCP transport on sandboxed hosts)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     env.pop("WORLD_SIZE", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(FIX / "ddp_worker.py"), str(tmp_path / "ddp"), "2"]

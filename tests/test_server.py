@@ -292,7 +292,8 @@ def test_request_cannot_choose_a_checkpoint(client):
 # --- the command line -------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, msg", [
     (["--checkpoint", "weights=/tmp"], "caption=DIR or math=DIR"),
-    (["--untrained", "--checkpoint", "math=/tmp"], "do not combine"),
+    (["--checkpoint", "math=/tmp", "--checkpoint", "math=/tmp"], "given twice"),
+    (["--models", "math", "--checkpoint", "caption=/tmp"], "not in --models"),
     (["--checkpoint", "math=/nonexistent/dir"], "not a directory"),
     (["--models", "video"], "--models"),
     (["--max-batch", "0"], "--max-batch"),
@@ -303,6 +304,30 @@ def test_cli_refusals_are_one_line(argv, msg, capsys):
     assert main(["serve", "--api-only", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_plan_checkpoints_defaults_and_untrained(tmp_path, monkeypatch):
+    import argparse
+
+    from tellkit.cli import cmd_serve
+    from tellkit.tasks import captioning, recognition
+
+    def args(*argv):
+        p = argparse.ArgumentParser()
+        cmd_serve.add_arguments(p)
+        return p.parse_args(list(argv))
+
+    monkeypatch.setattr(captioning, "DEFAULT_CHECKPOINT", tmp_path / "no_caption_default")
+    monkeypatch.setattr(recognition, "DEFAULT_CHECKPOINT", tmp_path / "math_default")
+    (tmp_path / "math_default").mkdir()
+    (tmp_path / "math_default" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(TellkitError, match="no caption checkpoint"):
+        cmd_serve.plan(args())
+    assert cmd_serve.plan(args("--models", "math")) == {"math": str(tmp_path / "math_default")}
+    assert cmd_serve.plan(args("--untrained")) == {"caption": None, "math": None}
+    assert cmd_serve.plan(args("--untrained", "--checkpoint", f"math={tmp_path}")) == {"caption": None, "math": str(tmp_path)}
+    assert cmd_serve.plan(args("--checkpoint", f"caption={tmp_path}")) == {"caption": str(tmp_path),
+                                                                         "math": str(tmp_path / "math_default")}
 
 
 def test_cli_serves_on_localhost_by_default():

@@ -6,8 +6,8 @@ peak memory, with request batching on (``--max-batch 8``) and off (``--max-batch
 The server runs as its own process (``python -m tellkit serve --api-only``, bound to 127.0.0.1),
 so its peak resident memory is read exactly from ``/proc/<pid>/status`` (VmHWM) and the client
 threads do not share its interpreter. Inputs are the packaged demo samples (photos, two with an
-article, one with a face; a drawn expression). The served models are the packaged defaults when
-installed, else the tiny untrained ones (``--untrained``); the JSON says which.
+article, one with a face; a drawn expression). The served models are the packaged defaults where
+installed, tiny untrained ones (``--untrained``) otherwise; the JSON says which.
 
     tellkit bench serve_load            # writes bench/results/serve_load.json
     python -m tellkit.bench.serve_load --requests 96 --concurrency 8 --out bench/results
@@ -39,15 +39,18 @@ def _inputs() -> tuple[list[tuple[str, bytes, str]], bytes]:
 
 
 def _default_models() -> list[str]:
-    """Server arguments: the packaged default checkpoints when installed, else --untrained."""
+    """Server arguments: each packaged default checkpoint that is installed, tiny untrained
+    models (--untrained) for the others."""
     from tellkit.tasks.captioning import DEFAULT_CHECKPOINT as CAPTION
     from tellkit.tasks.recognition import DEFAULT_CHECKPOINT as MATH
 
-    have_caption = (CAPTION / "model.safetensors").is_file()
-    have_math = (MATH / "model.safetensors").is_file()
-    if have_caption and have_math:
-        return ["--checkpoint", f"caption={CAPTION}", "--checkpoint", f"math={MATH}"]
-    return ["--untrained"]
+    args: list[str] = []
+    for name, path in (("caption", CAPTION), ("math", MATH)):
+        if (path / "model.safetensors").is_file():
+            args += ["--checkpoint", f"{name}={path}"]
+    if len(args) < 4:
+        args.append("--untrained")
+    return args
 
 
 def _percentiles(xs: list[float]) -> dict[str, float]:

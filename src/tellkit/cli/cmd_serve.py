@@ -16,7 +16,8 @@ def add_arguments(p) -> None:
     p.add_argument("--models", default="caption,math",
                    help="which endpoints to serve: caption, math or both (default caption,math)")
     p.add_argument("--untrained", action="store_true",
-                   help="serve tiny RANDOM models (outputs are noise) to try the page and API without checkpoints")
+                   help="serve tiny RANDOM models (outputs are noise) for the endpoints without --checkpoint: "
+                        "try the page and API without trained models")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--max-batch", type=int, default=8, help="requests grouped into one forward pass (default 8)")
     p.add_argument("--max-wait-ms", type=float, default=10.0, help="how long the worker waits to fill a batch (default 10)")
@@ -43,47 +44,56 @@ def parse_checkpoints(values: list[str]) -> dict[str, str]:
     return out
 
 
-def load_backends(args) -> tuple[object | None, object | None]:
-    """Load each requested model once, before the server starts (a failure stops start-up)."""
+def plan(args) -> dict[str, str | None]:
+    """Which model each served endpoint gets: a checkpoint folder, or None for a tiny random
+    model (``--untrained``, only for endpoints without ``--checkpoint``). Without ``--untrained``
+    an endpoint with no ``--checkpoint`` gets the packaged default, which must be installed."""
     from pathlib import Path
 
     from tellkit.errors import TellkitError
-    from tellkit.server.backends import BTTRMathRecognizer, TransformAndTellCaptioner
     from tellkit.tasks.captioning import DEFAULT_CHECKPOINT as DEFAULT_CAPTION_CHECKPOINT
+    from tellkit.tasks.recognition import DEFAULT_CHECKPOINT as DEFAULT_MATH_CHECKPOINT
 
-    wanted = {m.strip() for m in args.models.split(",") if m.strip()}
-    bad = wanted - {"caption", "math"}
+    wanted = [m for m in ("caption", "math") if m in {x.strip() for x in args.models.split(",")}]
+    bad = {x.strip() for x in args.models.split(",") if x.strip()} - {"caption", "math"}
     if bad or not wanted:
         raise TellkitError(f"--models: expected caption, math or both, got '{args.models}'")
     ckpts = parse_checkpoints(args.checkpoint)
-    extra = set(ckpts) - wanted
+    extra = set(ckpts) - set(wanted)
     if extra:
         raise TellkitError(f"--checkpoint {', '.join(sorted(extra))}=... given but not in --models {args.models}")
-    if args.untrained and ckpts:
-        raise TellkitError("--untrained serves random models; do not combine it with --checkpoint")
     for name, path in ckpts.items():
         if not Path(path).is_dir():
             raise TellkitError(f"--checkpoint {name}={path}: not a directory")
-    captioner = recognizer = None
-    if "caption" in wanted:
-        if args.untrained:
-            captioner = TransformAndTellCaptioner.untrained(device=args.device)
+    defaults = {"caption": DEFAULT_CAPTION_CHECKPOINT, "math": DEFAULT_MATH_CHECKPOINT}
+    out: dict[str, str | None] = {}
+    for name in wanted:
+        if name in ckpts:
+            out[name] = ckpts[name]
+        elif args.untrained:
+            out[name] = None
+        elif (defaults[name] / "model.safetensors").is_file():
+            out[name] = str(defaults[name])
         else:
-            path = ckpts.get("caption") or DEFAULT_CAPTION_CHECKPOINT
-            if not (Path(path) / "model.safetensors").is_file() and not (Path(path) / "checkpoints").is_dir():
-                raise TellkitError(f"no captioning checkpoint at {path}; pass "
-                                   "--checkpoint caption=DIR, --models math, or --untrained")
-            captioner = TransformAndTellCaptioner.load(path, device=args.device)
-    if "math" in wanted:
-        if args.untrained:
-            recognizer = BTTRMathRecognizer.untrained(device=args.device)
-        else:
-            from tellkit.tasks.recognition import DEFAULT_CHECKPOINT as DEFAULT_MATH_CHECKPOINT
+            raise TellkitError(f"no {name} checkpoint: the packaged default {defaults[name]} is not installed; "
+                               f"pass --checkpoint {name}=DIR, leave {name} out of --models, or add --untrained")
+    return out
 
-            if "math" not in ckpts and not (DEFAULT_MATH_CHECKPOINT / "model.safetensors").is_file():
-                raise TellkitError(f"no math checkpoint at {DEFAULT_MATH_CHECKPOINT}; pass --checkpoint math=DIR, "
-                                   "--models caption, or --untrained")
-            recognizer = BTTRMathRecognizer.load(ckpts.get("math"), device=args.device)
+
+def load_backends(args) -> tuple[object | None, object | None]:
+    """Load each requested model once, before the server starts (a failure stops start-up)."""
+    from tellkit.server.backends import BTTRMathRecognizer, TransformAndTellCaptioner
+
+    chosen = plan(args)
+    captioner = recognizer = None
+    if "caption" in chosen:
+        path = chosen["caption"]
+        captioner = (TransformAndTellCaptioner.untrained(device=args.device) if path is None
+                     else TransformAndTellCaptioner.load(path, device=args.device))
+    if "math" in chosen:
+        path = chosen["math"]
+        recognizer = (BTTRMathRecognizer.untrained(device=args.device) if path is None
+                      else BTTRMathRecognizer.load(path, device=args.device))
     return captioner, recognizer
 
 

@@ -35,9 +35,12 @@ def run(args) -> int:
               "Transform and Tell (random weights) over the real offline encoders to show the pipeline: "
               "its captions are noise. Pass --checkpoint DIR to use a trained model.")
         captioner = TransformAndTellCaptioner.untrained()
+    reads_articles = "article" in captioner.contexts
+    if not reads_articles:
+        print("(this model captions from the image alone: the sample articles are not used)")
     for img in sorted(samples.glob("*.jpg")):
         txt = img.with_suffix(".txt")
-        article = txt.read_text(encoding="utf-8") if txt.is_file() else ""
+        article = txt.read_text(encoding="utf-8") if txt.is_file() and reads_articles else ""
         res = captioner.caption([(load_image(img), article)])[0]
         if args.json:
             print(json.dumps({"image": img.name, "article": txt.name if article else None, **res}, ensure_ascii=False))

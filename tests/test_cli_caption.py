@@ -62,3 +62,16 @@ def test_json_with_faces_and_attention(tmp_path, capsys):
     assert out["article_tokens"][1]["text"] == "eileen"  # MiniLM is uncased; [CLS] first
     assert main(argv) == 0
     assert capsys.readouterr().out.strip() == out["caption"]
+
+
+@pytest.mark.slow
+def test_default_model_captions_without_a_checkpoint(capsys):
+    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT
+
+    weights = DEFAULT_CHECKPOINT / "model.safetensors"
+    assert weights.is_file() and weights.stat().st_size <= 25 * 2**20
+    meta = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text())
+    assert meta["task"] == "captioning" and meta["data"]["format"] == "flickr8k"
+    assert main(["caption", "--image", str(DEMO / "coffee.jpg")]) == 0
+    caption = capsys.readouterr().out.strip()
+    assert len(caption.split()) >= 3 and caption.endswith(".")  # a trained model writes a sentence

@@ -29,6 +29,9 @@ async function checkHealth() {
     const c = h.models.caption, m = h.models.math;
     st.textContent = `caption: ${describeModel(c)} | math: ${describeModel(m)}`;
     st.className = "status" + ([c, m].some((x) => x && !x.trained) ? " untrained" : "");
+    if (c && !(c.contexts || []).includes("article")) {
+      $("article").placeholder = "The served captioning model does not read articles (image only): text here is ignored.";
+    }
     st.title = [c, m].filter((x) => x && x.note)
       .map((x) => (typeof x.note === "string" ? x.note : JSON.stringify(x.note))).join("\n");
   } catch (err) {

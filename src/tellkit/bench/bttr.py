@@ -113,3 +113,8 @@ def _default_images(n: int) -> list[Path]:
         if d.is_dir():
             return sorted(d.glob("*.png"))[:n]
     return [SAMPLE_PATH] * n
+
+
+def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """``tellkit bench bttr``: the joint search with the default recognition checkpoint."""
+    return bench_bttr(n_images=8 if quick else 32, batch_size=8 if quick else 16, device=device)

@@ -17,7 +17,11 @@ def _suites() -> dict[str, str]:
 
     import tellkit.bench as pkg
 
-    return {m.name: f"tellkit.bench.{m.name}" for m in pkgutil.iter_modules(pkg.__path__)}
+    import importlib
+
+    # a suite is a module of tellkit.bench with a run() function
+    names = [m.name for m in pkgutil.iter_modules(pkg.__path__)]
+    return {n: f"tellkit.bench.{n}" for n in names if hasattr(importlib.import_module(f"tellkit.bench.{n}"), "run")}
 
 
 def run(args) -> int:
@@ -45,9 +49,7 @@ def run(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in chosen:
         mod = importlib.import_module(available[name])
-        fn = getattr(mod, "run", None)
-        if fn is None:
-            continue
+        fn = mod.run
         params = inspect.signature(fn).parameters
         kwargs = {k: v for k, v in (("quick", args.quick), ("device", device)) if k in params}
         print(f"[bench] {name} ...", flush=True)

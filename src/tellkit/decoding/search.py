@@ -144,3 +144,22 @@ def beam_search(decoder: IncrementalDecoder, batch_size: int, *, beam_size: int,
         hyps = sorted(finished[b], key=lambda h: h.score, reverse=True)
         results.append(hyps[:n_best])
     return results
+
+
+def run_search(make_decoder, batch_size: int, *, beam_size: int = 1, length_penalty: float = 1.0,
+               n_best: int = 1, **common) -> dict:
+    """Greedy (``beam_size <= 1``) or beam search, packed the way every model's ``generate``
+    returns it: ``tokens``, ``scores`` (and ``n_best`` when asked). ``make_decoder(rows)`` builds
+    the decoder; ``rows`` is None for greedy (one row per input) or, for beam search, the input
+    index of each of the ``batch_size * beam_size`` rows (``repeat_interleave``)."""
+    if beam_size <= 1:
+        nbest = [[h] for h in greedy_search(make_decoder(None), batch_size, **common)]
+    else:
+        rows = torch.arange(batch_size, device=common.get("device", "cpu")).repeat_interleave(beam_size)
+        nbest = beam_search(make_decoder(rows), batch_size, beam_size=beam_size, length_penalty=length_penalty,
+                            n_best=n_best, **common)
+    out: dict = {"tokens": [h[0].tokens if h else [] for h in nbest],
+                 "scores": [h[0].score if h else float("-inf") for h in nbest]}
+    if n_best > 1:
+        out["n_best"] = [[(h.tokens, h.score) for h in hs] for hs in nbest]
+    return out

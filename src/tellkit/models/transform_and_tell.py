@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.decoding.search import beam_search, greedy_search
+from tellkit.decoding.search import run_search
 from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
 from tellkit.layers.attention import MultiheadAttention, ProjectedKV
@@ -306,17 +306,9 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         ctx = self.project_contexts(ctx)
         common = dict(bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id, max_len=max_len, min_len=min_len,
                       no_repeat_ngram_size=no_repeat_ngram_size, device=device)
-        if beam_size <= 1:
-            hyps = greedy_search(_Incremental(self, ctx), B, **common)
-            nbest = [[h] for h in hyps]
-        else:
-            rows = torch.arange(B, device=device).repeat_interleave(beam_size)
-            nbest = beam_search(_Incremental(self, ctx.index_select(rows), rows), B, beam_size=beam_size, length_penalty=length_penalty,
-                                n_best=n_best, **common)
-        out: dict[str, Any] = {"tokens": [h[0].tokens if h else [] for h in nbest],
-                               "scores": [h[0].score if h else float("-inf") for h in nbest]}
-        if n_best > 1:
-            out["n_best"] = [[(h.tokens, h.score) for h in hs] for hs in nbest]
+        out = run_search(lambda rows: _Incremental(self, ctx) if rows is None else
+                         _Incremental(self, ctx.index_select(rows), rows),
+                         B, beam_size=beam_size, length_penalty=length_penalty, n_best=n_best, **common)
         if return_attention:
             out["attention"] = self._attention_for(ctx, out["tokens"])
         return out

@@ -201,20 +201,15 @@ class Recognizer:
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, half: bool = True, note: dict | None = None) -> Path:
-    """Write a training checkpoint as a compact inference checkpoint (how the packaged default
-    model is made): weights in float16 (a 6.4M-parameter BTTR is 12.8 MB instead of 25.6 MB),
-    the recipe's task/data/eval/train sections kept so that ``tellkit evaluate`` and
-    ``tellkit recognize`` prepare images exactly as in training; ``note``: provenance."""
-    from tellkit.checkpoint import load_model, read_checkpoint_config
-    from tellkit.models.bttr import BTTR
+    """Write a BTTR training checkpoint as a compact inference checkpoint (how the packaged
+    default model is made): :func:`tellkit.training.export.export_checkpoint` (float16 weights,
+    a 6.4M-parameter BTTR is 12.8 MB instead of 25.6 MB, recipe sections kept), after checking
+    that the checkpoint holds a BTTR model; ``note``: provenance."""
+    from tellkit.checkpoint import read_checkpoint_config
+    from tellkit.errors import TellkitError
+    from tellkit.training.export import export_checkpoint as export_any
 
-    src = Path(checkpoint)
-    meta = read_checkpoint_config(src)
-    model = load_model(src, expect=BTTR)
-    if half:
-        model = model.half()
-    extra = {k: meta[k] for k in ("task", "data", "eval", "train") if k in meta}
-    extra["weights_dtype"] = "float16" if half else "float32"
-    if note:
-        extra["note"] = note
-    return model.save_pretrained(out, extra=extra)
+    family = read_checkpoint_config(checkpoint)["family"]
+    if family != "bttr":
+        raise TellkitError(f"{checkpoint}: holds a '{family}' model, not BTTR")
+    return export_any(checkpoint, out, half=half, note=note)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tellkit.decoding.search import beam_search, greedy_search
+from tellkit.decoding.search import run_search
 from tellkit.errors import TellkitError
 
 
@@ -130,18 +130,8 @@ def search(step_fn: Callable, state: dict[str, Any], batch_size: int, *, bos_id:
     row per input and is repeated per beam here. Output as ``TransformAndTell.generate``."""
     common = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len=max_len, min_len=min_len,
                   no_repeat_ngram_size=no_repeat_ngram_size, device=device)
-    if beam_size <= 1:
-        hyps = greedy_search(RowState(step_fn, state), batch_size, **common)
-        nbest = [[h] for h in hyps]
-    else:
-        rows = torch.arange(batch_size, device=device).repeat_interleave(beam_size)
-        nbest = beam_search(RowState(step_fn, _index(state, rows)), batch_size, beam_size=beam_size,
-                            length_penalty=length_penalty, n_best=n_best, **common)
-    out: dict[str, Any] = {"tokens": [h[0].tokens if h else [] for h in nbest],
-                           "scores": [h[0].score if h else float("-inf") for h in nbest]}
-    if n_best > 1:
-        out["n_best"] = [[(h.tokens, h.score) for h in hs] for hs in nbest]
-    return out
+    return run_search(lambda rows: RowState(step_fn, state if rows is None else _index(state, rows)),
+                      batch_size, beam_size=beam_size, length_penalty=length_penalty, n_best=n_best, **common)
 
 
 def attention_lists(alphas: dict[str, torch.Tensor], valid: dict[str, torch.Tensor], b: int, n_steps: int) -> list[dict[str, list[float]]]:

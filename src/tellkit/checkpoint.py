@@ -160,10 +160,16 @@ class PretrainedMixin:
         return load_model(directory, map_location, expect=cls)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
-        seen, n = set(), 0
-        for p in self.parameters():  # type: ignore[attr-defined]
+        return count_parameters([self], trainable_only)  # type: ignore[list-item]
+
+
+def count_parameters(modules, trainable_only: bool = False) -> int:
+    """Parameters of ``modules``, each shared (tied) tensor counted once."""
+    seen, n = set(), 0
+    for m in modules:
+        for p in m.parameters():
             if id(p) in seen or (trainable_only and not p.requires_grad):
                 continue
             seen.add(id(p))
             n += p.numel()
-        return n
+    return n

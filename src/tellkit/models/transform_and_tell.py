@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tellkit.checkpoint import PretrainedMixin
+from tellkit.checkpoint import PretrainedMixin, count_parameters
 from tellkit.decoding.search import run_search
 from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
@@ -335,13 +335,7 @@ class TransformAndTell(nn.Module, PretrainedMixin):
 
     def parameter_breakdown(self) -> dict[str, int]:
         def count(mods):
-            seen, n = set(), 0
-            for m in mods:
-                for p in m.parameters():
-                    if id(p) not in seen and p.requires_grad:
-                        seen.add(id(p))
-                        n += p.numel()
-            return n
+            return count_parameters(mods, trainable_only=True)
 
         out = {"adaptive_input": count([self.embed]),
                "decoder_blocks": count(self.layers),

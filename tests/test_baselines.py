@@ -326,3 +326,14 @@ def test_offline_static_table_is_the_text_encoders_input_embeddings():
 
     ct = CaptionTokenizer.load()
     assert ids[0, 1].item() == ct.encode(" mayor")[0]
+
+
+def test_captioning_task_reads_the_contexts_of_the_model_family():
+    """A recipe that does not list `model.contexts` gets its family's default, so Show and Tell
+    is not fed articles and faces it cannot read."""
+    from tellkit.tasks.captioning import CaptioningTask
+
+    assert CaptioningTask({"task": "captioning", "model": {"name": "show_tell"}}).contexts == ("image",)
+    assert CaptioningTask({"task": "captioning", "model": {"name": "lstm_captioner"}}).contexts == ("image", "article")
+    assert CaptioningTask({"task": "captioning", "model": {"name": "transform_and_tell"}}).contexts == ("image", "article", "faces")
+    assert CaptioningTask({"task": "captioning", "model": {"name": "transform_and_tell", "contexts": ["article"]}}).contexts == ("article",)

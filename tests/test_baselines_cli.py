@@ -96,6 +96,35 @@ def test_train_then_evaluate_show_attend_tell_directly(tmp_path, shared_data):
     assert rc == 0, err
     res = json.loads(stdout[stdout.index("{"):])
     assert res["n"] == 5 and "cider" in res["metrics"]
+    # the run serves `tellkit caption` like a Transform and Tell run: attention over the grid per token
+    image = next((shared_data / "flickr8k").rglob("*.jpg"))
+    rc, stdout, err = _cli("caption", "--image", image, "--checkpoint", run, "--json", "--max-len", 6)
+    assert rc == 0, err
+    cap = json.loads(stdout)
+    assert cap["model"]["name"] == "show_attend_tell" and cap["model"]["trained"] is True
+    assert 1 <= len(cap["tokens"]) <= 7 and isinstance(cap["caption"], str)
+    grid = cap["grid"]["rows"] * cap["grid"]["cols"]
+    for tok in cap["tokens"]:
+        assert set(tok["attention"]) == {"image"} and len(tok["attention"]["image"]) == grid
+        assert abs(sum(tok["attention"]["image"]) - 1) < 1e-3
+
+
+@pytest.mark.data
+@pytest.mark.slow
+@pytest.mark.parametrize("name,model", [("lstm_static", TINY_LSTM), ("transformer_static", TINY_TAT)])
+def test_static_vector_rows_train_and_evaluate_directly(tmp_path, shared_data, name, model):
+    """The "+ GloVe" rows through `tellkit train` / `tellkit evaluate` (not only `tellkit table`):
+    the task's own featurizer reads the article with the static word-vector table."""
+    recipe = _tiny_recipe(tmp_path, name, model, shared_data / "flickr8k")
+    run = tmp_path / "run"
+    rc, stdout, err = _cli("train", recipe, "train.max_steps=2", "--out", run, "--no-progress", "--device", "cpu")
+    assert rc == 0, err
+    assert json.loads(stdout[stdout.index("{"):])["steps"] == 2
+    cfg = json.loads((run / "checkpoints" / "step_00000002" / "config.json").read_text(encoding="utf-8"))
+    assert cfg["config"]["article_dim"] == 384 and cfg["config"]["article_layers"] == 1
+    rc, stdout, err = _cli("evaluate", run, "--split", "test", "--no-progress", "--device", "cpu")
+    assert rc == 0, err
+    assert json.loads(stdout[stdout.index("{"):])["n"] == 5
 
 
 def test_table_rejects_bad_input(tmp_path):

@@ -119,3 +119,23 @@ def test_bad_inputs_are_one_line_errors(tmp_path, capsys):
     assert "no images found" in capsys.readouterr().err
     assert _run(tmp_path / "o", "--format", "goodnews") == 2
     assert "--root" in capsys.readouterr().err
+
+
+def test_static_word_vectors_go_through_the_feature_cache(tmp_path):
+    """`--article-encoder static`: one layer of fixed 384-d vectors, unknown words dropped, no
+    special tokens; every stored vector is the table's row of the kept word."""
+    from tellkit.encoders.static_vectors import load_article_vectors
+
+    out = tmp_path / "nyt_static"
+    assert _run(out, "--format", "nytimes800k", "--root", FIX / "nytimes" / "nytimes_tiny.archive.gz",
+                "--article", "--article-encoder", "static", "--no-faces") == 0
+    store = FeatureStore(out)
+    table = load_article_vectors("static")
+    assert len(store) == 3
+    for _, x in store.items():
+        n_layers, L, D = x["article"].shape
+        assert (n_layers, D) == (1, 384) and L > 5
+        # each stored state is a row of the table (float16 storage)
+        dist = torch.cdist(x["article"][0].float(), table.vectors.half().float())  # [L, V]
+        assert dist.min(-1).values.max() < 1e-2  # exact rows, up to cdist rounding
+        assert (x["article_ids"] >= 0).float().mean() > 0.9  # whole words: nearly all have a caption piece

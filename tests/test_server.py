@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from tellkit.errors import TellkitError  # noqa: E402
 from tellkit.server.app import create_app  # noqa: E402
-from tellkit.server.backends import BTTRMathRecognizer, TransformAndTellCaptioner  # noqa: E402
+from tellkit.server.backends import BTTRMathRecognizer, ImageCaptioner  # noqa: E402
 from tellkit.server.limits import Limits  # noqa: E402
 from tellkit.server.runner import ServerThread, free_port, post  # noqa: E402
 
@@ -52,7 +52,7 @@ def expression_png() -> bytes:
 
 @pytest.fixture(scope="module")
 def backends():
-    return TransformAndTellCaptioner.untrained(), BTTRMathRecognizer.untrained()
+    return ImageCaptioner.untrained(), BTTRMathRecognizer.untrained()
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +258,7 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
     cap, _ = backends
     save_model(cap.model, tmp_path / "tat", extra={"task": "captioning", "train": {"lr": 1e-3}})
     monkeypatch.setattr(B, "_featurizer", lambda *a: cap.featurizer)  # reuse the loaded encoders
-    loaded = TransformAndTellCaptioner.load(tmp_path / "tat")
+    loaded = ImageCaptioner.load(tmp_path / "tat")
     assert loaded.info["trained"] is True and loaded.info["checkpoint"] == str(tmp_path / "tat")
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), cap.model.state_dict().values()))
 
@@ -267,7 +267,7 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
     save_model(cap.model, step, extra={"task": "captioning", "train": {"lr": 1e-3}})
     (step / "trainer_state.json").write_text(json.dumps({"step": 7, "best": 3.5, "best_step": 7}))
     os.symlink("step_00000007", tmp_path / "run" / "checkpoints" / "best")
-    run = TransformAndTellCaptioner.load(tmp_path / "run")
+    run = ImageCaptioner.load(tmp_path / "run")
     assert run.info["checkpoint"].endswith("checkpoints/best") and run.info["train_steps"] == 7
 
     from tellkit.registry import create_model
@@ -275,12 +275,14 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
     bad = create_model("tat/tiny", image_dim=16, article_dim=384, article_layers=7, contexts=["image", "article"])
     save_model(bad, tmp_path / "bad")
     with pytest.raises(TellkitError, match="image_dim=16"):
-        TransformAndTellCaptioner.load(tmp_path / "bad")
+        ImageCaptioner.load(tmp_path / "bad")
 
     bttr = create_model("bttr/tiny")
     save_model(bttr, tmp_path / "bttr")
     rec = BTTRMathRecognizer.load(tmp_path / "bttr")
     assert rec.info["trained"] is False and rec.info["checkpoint"] == str(tmp_path / "bttr")
+    with pytest.raises(TellkitError, match="holds a 'bttr' model, not a captioner"):
+        ImageCaptioner.load(tmp_path / "bttr")
 
 
 def test_request_cannot_choose_a_checkpoint(client):

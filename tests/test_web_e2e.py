@@ -52,10 +52,10 @@ def browser():
 @pytest.fixture(scope="module")
 def server():
     from tellkit.server.app import create_app
-    from tellkit.server.backends import BTTRMathRecognizer, TransformAndTellCaptioner
+    from tellkit.server.backends import BTTRMathRecognizer, ImageCaptioner
     from tellkit.server.runner import ServerThread
 
-    app = create_app(TransformAndTellCaptioner.untrained(), BTTRMathRecognizer.untrained())
+    app = create_app(ImageCaptioner.untrained(), BTTRMathRecognizer.untrained())
     with ServerThread(app) as srv:
         yield srv
 

@@ -1,6 +1,7 @@
 """`tellkit caption --image IMG [--article TXT] [--checkpoint DIR] [--json]`: caption one image.
 
-Without ``--checkpoint`` the packaged default model is used. ``--json`` prints the caption with
+Without ``--checkpoint`` the packaged default model is used; any captioning checkpoint works
+(Transform and Tell, Show and Tell, Show-Attend-and-Tell, the LSTM captioner). ``--json`` prints the caption with
 the detected faces and, for every generated token, its attention (mean over heads and layers)
 over the image grid cells, the article tokens and the faces. Bad input (missing, corrupt or
 truncated image, a directory, a huge image, an empty or non-UTF-8 article) is a one-line error
@@ -9,7 +10,7 @@ with exit status 2.
 from __future__ import annotations
 
 NAME = "caption"
-HELP = "caption an image (optionally with its article) with a Transform and Tell checkpoint"
+HELP = "caption an image (optionally with its article) with a Transform and Tell or baseline checkpoint"
 
 
 def add_arguments(p) -> None:
@@ -69,9 +70,9 @@ def run(args) -> int:
     article = read_article(args.article) if args.article else ""
     checkpoint = resolve_default(args.checkpoint)
 
-    from tellkit.server.backends import TransformAndTellCaptioner
+    from tellkit.server.backends import ImageCaptioner
 
-    captioner = TransformAndTellCaptioner.load(checkpoint, device=args.device, beam_size=args.beam_size, max_len=args.max_len)
+    captioner = ImageCaptioner.load(checkpoint, device=args.device, beam_size=args.beam_size, max_len=args.max_len)
     result = captioner.caption([(image, article)])[0]
     if args.json:
         print(json.dumps({"image": args.image, "article": args.article, "checkpoint": checkpoint,

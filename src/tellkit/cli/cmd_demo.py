@@ -19,13 +19,13 @@ def run(args) -> int:
     from pathlib import Path
 
     from tellkit.encoders.preprocess import load_image
-    from tellkit.server.backends import TransformAndTellCaptioner
+    from tellkit.server.backends import ImageCaptioner
     from tellkit.tasks.captioning import DEFAULT_CHECKPOINT
 
     samples = Path(__file__).resolve().parents[1] / "assets" / "demo_caption"
     checkpoint = args.checkpoint or (str(DEFAULT_CHECKPOINT) if (DEFAULT_CHECKPOINT / "model.safetensors").is_file() else None)
     if checkpoint:
-        captioner = TransformAndTellCaptioner.load(checkpoint, device=args.device)
+        captioner = ImageCaptioner.load(checkpoint, device=args.device)
         about = (DEFAULT_CHECKPOINT / "README.md") if not args.checkpoint else None
         print(f"tellkit demo: captioning with {checkpoint}")
         if about is not None and about.is_file():
@@ -34,7 +34,7 @@ def run(args) -> int:
         print("tellkit demo: NO TRAINED DEFAULT CAPTIONING MODEL IS INSTALLED. Running an UNTRAINED tiny "
               "Transform and Tell (random weights) over the real offline encoders to show the pipeline: "
               "its captions are noise. Pass --checkpoint DIR to use a trained model.")
-        captioner = TransformAndTellCaptioner.untrained()
+        captioner = ImageCaptioner.untrained()
     reads_articles = "article" in captioner.contexts
     if not reads_articles:
         print("(this model captions from the image alone: the sample articles are not used)")

@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-faces", action="store_true", help="skip face detection and embedding")
     p.add_argument("--facenet-weights", help="facenet-pytorch-layout FaceNet file (e.g. VGGFace2); default: packaged CASIA-WebFace")
     p.add_argument("--article", action="store_true", help="also store article hidden states (all layers; large)")
-    p.add_argument("--article-encoder", help="Hugging Face name or folder (default: packaged all-MiniLM-L6-v2)")
+    p.add_argument("--article-encoder", help="Hugging Face name or folder (default: packaged all-MiniLM-L6-v2), or static word "
+                   "vectors: static (MiniLM input embeddings), static:NAME, glove:PATH")
     p.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"), help="storage dtype")
     p.add_argument("--shard-size", type=int, default=256, help="images per shard (the unit of resumption)")
     p.add_argument("--batch-size", type=int, default=16)

@@ -82,14 +82,14 @@ def plan(args) -> dict[str, str | None]:
 
 def load_backends(args) -> tuple[object | None, object | None]:
     """Load each requested model once, before the server starts (a failure stops start-up)."""
-    from tellkit.server.backends import BTTRMathRecognizer, TransformAndTellCaptioner
+    from tellkit.server.backends import BTTRMathRecognizer, ImageCaptioner
 
     chosen = plan(args)
     captioner = recognizer = None
     if "caption" in chosen:
         path = chosen["caption"]
-        captioner = (TransformAndTellCaptioner.untrained(device=args.device) if path is None
-                     else TransformAndTellCaptioner.load(path, device=args.device))
+        captioner = (ImageCaptioner.untrained(device=args.device) if path is None
+                     else ImageCaptioner.load(path, device=args.device))
     if "math" in chosen:
         path = chosen["math"]
         recognizer = (BTTRMathRecognizer.untrained(device=args.device) if path is None

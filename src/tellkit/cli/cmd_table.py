@@ -13,10 +13,8 @@ caps the optimizer steps of every row (``train.max_steps``); ``key=value`` overr
 re-run, unless ``--rerun``. The row label is the recipe's top-level ``row:`` (else its file
 name). ``OUT/table.json`` holds every metric of every row, ``OUT/table.md`` the printed table.
 
-Captioning rows: static word vectors (``encoders.article: static`` or ``glove:PATH``, the
-"+ GloVe" rows) are wired into the task's featurizer here (:mod:`tellkit.encoders.static_vectors`);
-rows whose contexts the task's disk cache cannot hold (static vectors, per-caption contexts
-such as Flickr8k's ``other_captions``) are encoded once per image / text in memory and shared
+Captioning rows: rows whose contexts the task's disk cache cannot hold (per-caption contexts such as
+Flickr8k's ``other_captions``) are encoded once per image / text in memory and shared
 by all rows of the run.
 """
 from __future__ import annotations
@@ -45,7 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--features", metavar="DIR",
                    help="captioning feature caches under DIR/<hash of encoders, contexts and data>, shared by rows "
                         "that encode the same way (default: each recipe's data.features); rows the disk cache "
-                        "cannot hold (per-caption contexts, static vectors) are encoded once in memory")
+                        "cannot hold (per-caption contexts) are encoded once in memory")
     p.add_argument("--split", default="test", help="split scored for the table (default: test)")
     p.add_argument("--out", default="runs/table", help="folder for the runs and table.json / table.md")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -61,39 +59,38 @@ _MEMO: dict[tuple, object] = {}
 
 def cacheable(recipe) -> bool:
     """Whether the captioning task's disk cache (data.features) can hold this row's contexts."""
-    from tellkit.encoders.static_vectors import is_static_spec
+    from tellkit.tasks.captioning import model_contexts
 
-    contexts = (recipe.get("model") or {}).get("contexts", ("image", "article", "faces"))
-    data, enc = recipe.get("data") or {}, recipe.get("encoders") or {}
-    return "article" not in contexts or (data.get("context") != "other_captions" and not is_static_spec(enc.get("article")))
+    contexts = model_contexts(recipe.get("model") or {})
+    return "article" not in contexts or (recipe.get("data") or {}).get("context") != "other_captions"
 
 
 def _task(recipe):
     """The recipe's task. A captioning task gets a featurizer that remembers encoder outputs
-    across rows (in memory) and, for ``encoders.article: static | glove:PATH``, reads articles
-    with the static word-vector table."""
+    (and the static word-vector table of ``encoders.article: static | glove:PATH``) across rows,
+    in memory."""
     import functools
     import hashlib
 
-    from tellkit.encoders.static_vectors import is_static_spec, load_article_vectors
+    from tellkit.encoders.static_vectors import is_static_spec
     from tellkit.tasks import get_task
 
     cls = get_task(recipe["task"])
     if recipe["task"] != "captioning":
         return cls(recipe)
-    from tellkit.tasks.captioning import Featurizer
+    from tellkit.tasks.captioning import Featurizer, model_contexts
 
     enc = dict(recipe.get("encoders") or {})
     spec = enc.get("article")
     max_art = (recipe.get("data") or {}).get("max_article_tokens", 512)
 
     class MemoFeaturizer(Featurizer):
-        if is_static_spec(spec):
+        if is_static_spec(spec):  # one table per run, shared by the rows that read it
             @functools.cached_property
             def article_encoder(self):
                 key = ("static", spec)
                 if key not in _MEMO:
-                    _MEMO[key] = load_article_vectors(spec)
+                    _MEMO[key] = super().article_encoder
                 return _MEMO[key]
 
         def images(self, pils):
@@ -116,7 +113,7 @@ def _task(recipe):
             return [{**_MEMO[k], "hidden": _MEMO[k]["hidden"].float()} for k in keys]
 
     model = recipe.get("model") or {}
-    feat = MemoFeaturizer(enc, tuple(model.get("contexts", ("image", "article", "faces"))), max_article_tokens=max_art)
+    feat = MemoFeaturizer(enc, model_contexts(model), max_article_tokens=max_art)
     return cls(recipe, featurizer=feat)
 
 

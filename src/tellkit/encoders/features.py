@@ -57,7 +57,7 @@ class FeatureConfig:
     faces: bool = True
     facenet_weights: str | None = None  # None: packaged CASIA-WebFace FaceNet
     article: bool = False
-    article_encoder: str | None = None  # None: packaged all-MiniLM-L6-v2
+    article_encoder: str | None = None  # None: packaged all-MiniLM-L6-v2; static / glove:PATH: word vectors
     dtype: str = "float16"  # storage dtype of the float features
     shard_size: int = 256
     batch_size: int = 16
@@ -162,9 +162,9 @@ class _Encoders:
             self.faces = FaceEncoder(facenet_weights=cfg.facenet_weights, max_faces=MAX_FACES).to(cfg.device)
         self.article = None
         if cfg.article:
-            from tellkit.encoders.text import ArticleEncoder
+            from tellkit.encoders.text import build_article_encoder
 
-            self.article = ArticleEncoder(cfg.article_encoder).to(cfg.device)
+            self.article = build_article_encoder(cfg.article_encoder).to(cfg.device)
 
 
 def _encode_shard(items: Sequence[FeatureItem], enc: _Encoders, cfg: FeatureConfig,

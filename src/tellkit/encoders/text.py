@@ -131,3 +131,23 @@ class ArticleEncoder(nn.Module):
 
     def extra_repr(self) -> str:
         return f"name={self.name!r}, num_layers={self.num_layers}, dim={self.dim}, max_tokens={self.max_tokens}"
+
+
+PACKAGED_NAMES = (None, "minilm", "all-MiniLM-L6-v2")
+
+
+def build_article_encoder(spec: str | os.PathLike | None = None):
+    """The article encoder a recipe's ``encoders.article`` names, with one interface
+    (``encode``, ``caption_ids``, ``count_tokens``, ``num_layers``, ``dim``, ``max_tokens``,
+    ``num_special``):
+
+    - ``None`` / ``minilm`` / ``all-MiniLM-L6-v2``: the packaged all-MiniLM-L6-v2 (every layer);
+    - ``static``, ``static:NAME_OR_FOLDER``, ``glove:PATH``: a static word-vector table
+      (:mod:`tellkit.encoders.static_vectors`, the "+ GloVe" rows of the ablation);
+    - anything else: a Hugging Face encoder by hub name or local folder.
+    """
+    from tellkit.encoders.static_vectors import is_static_spec, load_article_vectors
+
+    if is_static_spec(spec):
+        return load_article_vectors(str(spec))
+    return ArticleEncoder(None if spec in PACKAGED_NAMES else spec)

@@ -91,9 +91,14 @@ def article_sample(text: str):
     return CaptionSample(id="request", caption="", paragraphs=blocks)
 
 
-class TransformAndTellCaptioner:
-    """Image + article -> caption with per-token attention, using a Transform and Tell model and
-    the frozen encoders its checkpoint was trained with. The encoders and the article context
+# the captioning families a checkpoint may hold (same batches and ``generate`` API)
+CAPTION_FAMILIES = ("transform_and_tell", "show_tell", "show_attend_tell", "lstm_captioner")
+
+
+class ImageCaptioner:
+    """Image + article -> caption with per-token attention, using a captioning model (Transform
+    and Tell, or one of its baselines: Show and Tell, Show-Attend-and-Tell, the LSTM captioner)
+    and the frozen encoders its checkpoint was trained with. The encoders and the article context
     (which paragraphs fit the token budget) come from the captioning task's ``Featurizer``
     (``tellkit.tasks.captioning``), so inputs are encoded exactly as in training."""
 
@@ -111,9 +116,10 @@ class TransformAndTellCaptioner:
                                f"the model expects image_dim={cfg.image_dim}")
         if "article" in self.contexts:
             enc = self.article_encoder
-            if enc.dim != cfg.article_dim or (cfg.article_layers > 1 and enc.num_layers != cfg.article_layers):
+            layers = getattr(cfg, "article_layers", 1)
+            if enc.dim != cfg.article_dim or (layers > 1 and enc.num_layers != layers):
                 raise TellkitError(f"article encoder {enc.name} gives {enc.num_layers} x {enc.dim}; "
-                                   f"the model expects {cfg.article_layers} x {cfg.article_dim}")
+                                   f"the model expects {layers} x {cfg.article_dim}")
         if "faces" in self.contexts:
             self.featurizer.face_encoder  # noqa: B018 - load now: a missing face model fails at start-up
         if tokenizer is None:
@@ -123,7 +129,7 @@ class TransformAndTellCaptioner:
         self.tokenizer = tokenizer
         self.max_len, self.beam_size, self.length_penalty = max_len, int(beam_size), float(length_penalty)
         self.context_mode = "none" if "article" not in self.contexts else context_mode
-        self.info = {"name": "transform_and_tell", "contexts": list(self.contexts),
+        self.info = {"name": getattr(model, "family", type(model).__name__), "contexts": list(self.contexts),
                      "image_encoder": getattr(self.image_encoder, "name", None),
                      "article_encoder": getattr(self.article_encoder, "name", None) if "article" in self.contexts else None,
                      "parameters": sum(p.numel() for p in model.parameters()),
@@ -139,29 +145,31 @@ class TransformAndTellCaptioner:
 
     @classmethod
     def load(cls, checkpoint: str | Path, device: str = "cpu", max_len: int | None = None, beam_size: int = 1,
-             **kw) -> "TransformAndTellCaptioner":
+             **kw) -> "ImageCaptioner":
         """A checkpoint (or run folder) written by ``tellkit train``: the recipe sections in its
         config.json name the encoders, the article context and the generation settings."""
         from tellkit.checkpoint import load_model, read_checkpoint_config
         from tellkit.encoders.tokenizer import CaptionTokenizer
-        from tellkit.models.transform_and_tell import TransformAndTell
 
         path = Path(checkpoint)
         if (path / "checkpoints").is_dir():  # a run folder: its best (else last) checkpoint
             path = next((path / "checkpoints" / n for n in ("best", "last") if (path / "checkpoints" / n).exists()), path)
         meta = read_checkpoint_config(path)
-        model = load_model(path, map_location=device, expect=TransformAndTell).float()
+        if meta.get("family") not in CAPTION_FAMILIES:
+            raise TellkitError(f"{path}: holds a '{meta.get('family')}' model, not a captioner "
+                               f"({', '.join(CAPTION_FAMILIES)})")
+        model = load_model(path, map_location=device).float()
         encoders = meta.get("encoders") or DEFAULT_ENCODERS
         data, ev = meta.get("data") or {}, meta.get("eval") or {}
         feat = _featurizer(encoders, model.config.contexts, int(data.get("max_article_tokens", 512)), device)
         return cls(model, feat, tokenizer=CaptionTokenizer.load(encoders.get("caption_tokenizer")),
-                   info=_checkpoint_info("transform_and_tell", path, meta),
+                   info=_checkpoint_info(meta["family"], path, meta),
                    max_len=max_len or ev.get("max_len"), beam_size=beam_size,
                    length_penalty=float(ev.get("length_penalty", 1.0)),
                    context_mode=data.get("context", "location_aware"), **kw)
 
     @classmethod
-    def untrained(cls, seed: int = 0, device: str = "cpu") -> "TransformAndTellCaptioner":
+    def untrained(cls, seed: int = 0, device: str = "cpu") -> "ImageCaptioner":
         """A tiny randomly initialised model over the real offline encoders: the page and the API
         work end to end, but the captions are noise (``info.trained`` is false)."""
         import torch
@@ -195,7 +203,7 @@ class TransformAndTellCaptioner:
         if "article" in self.contexts:
             art = self.article_encoder.encode(texts, max_tokens=f.max_article_tokens)
             batch["article"], batch["article_mask"] = art["hidden"], art["mask"]
-            if self.model.config.copy:
+            if getattr(self.model.config, "copy", False):
                 batch["article_ids"] = self.article_encoder.caption_ids(texts, art["offsets"])
         faces: list[list[dict[str, Any]]] = [[] for _ in images]
         if "faces" in self.contexts:

@@ -38,7 +38,6 @@ from tellkit.errors import TellkitError
 from tellkit.tasks import register_task
 from tellkit.tasks.base import Task
 
-PACKAGED_MINILM = ("all-MiniLM-L6-v2", "minilm", None)
 # the default captioning model (`tellkit caption` / `tellkit demo` without --checkpoint)
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "default_caption"
 
@@ -61,10 +60,10 @@ class Featurizer:
 
     @functools.cached_property
     def article_encoder(self):
-        from tellkit.encoders.text import ArticleEncoder
+        """A Hugging Face encoder, or a static word-vector table (``static``, ``glove:PATH``)."""
+        from tellkit.encoders.text import build_article_encoder
 
-        name = self.cfg.get("article")
-        return ArticleEncoder(None if name in PACKAGED_MINILM else name).to(self.device)
+        return build_article_encoder(self.cfg.get("article")).to(self.device)
 
     @functools.cached_property
     def face_encoder(self):
@@ -112,12 +111,13 @@ class Featurizer:
 # --- cached features: `tellkit features` shards (tellkit.encoders.features), one per split ----
 def feature_config(task: "CaptioningTask"):
     from tellkit.encoders.features import FeatureConfig
+    from tellkit.encoders.text import PACKAGED_NAMES
 
     enc = task.recipe.get("encoders") or {}
     article = enc.get("article")
     return FeatureConfig(image_encoder=enc.get("image", "mobilenet_v2"), image_weights=enc.get("image_weights"),
                          faces="faces" in task.contexts, facenet_weights=enc.get("face_weights"),
-                         article="article" in task.contexts, article_encoder=None if article in PACKAGED_MINILM else article)
+                         article="article" in task.contexts, article_encoder=None if article in PACKAGED_NAMES else article)
 
 
 def cached_features(task: "CaptioningTask", samples: list[CaptionSample], split: str, progress: bool = True):
@@ -239,6 +239,22 @@ def collate_captions(items: list[dict[str, Any]], contexts, pad_id: int = 1) -> 
     return batch
 
 
+def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The contexts a captioner reads: the recipe's ``model.contexts``, else its family's default
+    (Show and Tell: image only; Transform and Tell: image, article, faces)."""
+    if "contexts" in model_cfg:
+        return tuple(model_cfg["contexts"])
+    if model_cfg.get("name"):
+        import dataclasses
+
+        from tellkit.registry import get_entry
+
+        field = {f.name: f for f in dataclasses.fields(get_entry(model_cfg["name"]).config_cls)}.get("contexts")
+        if field is not None and field.default is not dataclasses.MISSING:
+            return tuple(field.default)
+    return ("image", "article", "faces")
+
+
 # --- the task ---------------------------------------------------------------------------------
 @register_task("captioning")
 class CaptioningTask(Task):
@@ -247,7 +263,7 @@ class CaptioningTask(Task):
         self.model_cfg = dict(self.recipe.get("model") or {})
         self.data = dict(self.recipe.get("data") or {})
         self.eval_cfg = dict(self.recipe.get("eval") or {})
-        self.contexts = tuple(self.model_cfg.get("contexts", ("image", "article", "faces")))
+        self.contexts = model_contexts(self.model_cfg)
         self.context_mode = self.data.get("context", "location_aware")
         self.monitor = self.eval_cfg.get("monitor", "loss")
         self.monitor_mode = "min" if self.monitor == "loss" else "max"

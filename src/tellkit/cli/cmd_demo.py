@@ -1,17 +1,20 @@
 """`tellkit demo` (what `make demo` runs): caption the packaged sample inputs with the default
-captioning model. The samples (``tellkit/assets/demo_caption``, see its SOURCES.md) are free to
-redistribute; each image is captioned with its article when it has one (``<name>.txt``).
-Until a default model is installed, an untrained tiny model runs instead, and says so."""
+captioning model, then read the packaged handwritten-math sample with the default BTTR model.
+The samples (``tellkit/assets/demo_caption``, see its SOURCES.md; the math sample is drawn by
+``tellkit.bench.bttr.draw_sample``) are free to redistribute; each image is captioned with its
+article when it has one (``<name>.txt``). Until a default captioning model is installed, an
+untrained tiny model runs instead, and says so."""
 from __future__ import annotations
 
 NAME = "demo"
-HELP = "caption the packaged sample images (and articles) with the default captioning model"
+HELP = "caption the packaged sample images (and articles) and recognise a handwritten formula with the default models"
 
 
 def add_arguments(p) -> None:
     p.add_argument("--checkpoint", help="use this checkpoint instead of the default model")
     p.add_argument("--json", action="store_true", help="one JSON object per sample (caption, faces, attention)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--no-math", action="store_true", help="skip the handwritten-math (BTTR) sample")
 
 
 def run(args) -> int:
@@ -47,4 +50,25 @@ def run(args) -> int:
         else:
             faces = f", {len(res['faces'])} face(s)" if res["faces"] else ""
             print(f"{img.name}{' + ' + txt.name if article else ''}{faces}: {res['caption']}")
+    if not args.no_math:
+        demo_math(args)
     return 0
+
+
+def demo_math(args) -> None:
+    """The packaged handwritten formula through the default BTTR model (`tellkit recognize`)."""
+    import json
+
+    from tellkit.bench.bttr import SAMPLE_PATH, SAMPLE_LATEX
+    from tellkit.tasks.recognition import DEFAULT_CHECKPOINT, Recognizer
+
+    rec = Recognizer.load(None, device=args.device)
+    print(f"tellkit demo: handwritten math with {DEFAULT_CHECKPOINT}")
+    about = DEFAULT_CHECKPOINT / "README.md"
+    if about.is_file():
+        print(about.read_text(encoding="utf-8").strip().splitlines()[0].lstrip("# "))
+    res = rec.recognize([SAMPLE_PATH])[0]
+    if args.json:
+        print(json.dumps({"image": SAMPLE_PATH.name, "truth": SAMPLE_LATEX, **res}, ensure_ascii=False))
+    else:
+        print(f"{SAMPLE_PATH.name} (drawn: {SAMPLE_LATEX}): {res['latex']}")

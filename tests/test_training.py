@@ -247,3 +247,27 @@ def test_export_half_precision_inference_checkpoint(tmp_path):
     for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
     assert all(t.dtype == torch.float16 for t in load_file(str(out / "model.safetensors")).values())
+
+
+def test_init_from_starts_a_new_run_from_trained_weights(tmp_path):
+    """train.init_from (staged training / fine-tuning): the weights come from the checkpoint,
+    the optimizer and schedule start fresh; another model shape is refused with a clear error."""
+    first = run(toy_task.recipe(max_epochs=3), tmp_path / "a")
+    trained = weights(tmp_path / "a", "best")
+    fresh = run(toy_task.recipe(max_steps=1, lr=1e-12), tmp_path / "fresh")
+    assert fresh["steps"] == 1
+    second = run(toy_task.recipe(max_steps=1, lr=1e-12, init_from=str(tmp_path / "a")), tmp_path / "b")
+    assert second["steps"] == 1 and first["steps"] == 18
+    got = weights(tmp_path / "b")
+    assert all(torch.allclose(got[k], trained[k], atol=1e-6) for k in trained)  # one step at lr 1e-12 moves nothing
+    assert not all(torch.allclose(weights(tmp_path / "fresh")[k], trained[k], atol=1e-3) for k in trained)
+    # first logged training loss: from the trained weights it starts where run "a" ended
+    loss = lambda d: float(list(csv.DictReader(open(d / "train_log.csv")))[0]["loss"])  # noqa: E731
+    assert loss(tmp_path / "b") < loss(tmp_path / "fresh")
+
+    bad = toy_task.recipe(max_steps=1, init_from=str(tmp_path / "a"))
+    bad["model"]["dim"] = 6
+    with pytest.raises(TellkitError, match="do not fit this model"):
+        run(bad, tmp_path / "c")
+    with pytest.raises(TellkitError, match="checkpoint not found"):
+        run(toy_task.recipe(max_steps=1, init_from=str(tmp_path / "nope")), tmp_path / "d")

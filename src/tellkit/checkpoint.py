@@ -97,6 +97,38 @@ def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder, or a run folder of ``tellkit train`` -> its best (else last) checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise TellkitError(f"checkpoint not found: {p}")
+    if (p / "checkpoints").is_dir():
+        for name in ("best", "last"):
+            if (p / "checkpoints" / name).exists():
+                return (p / "checkpoints" / name).resolve()
+        raise TellkitError(f"{p}: a run folder without checkpoints")
+    return p.resolve()
+
+
+def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
+    """Copy the weights of a checkpoint (or run folder) into ``model`` (fine-tuning / staged
+    training): same family, same tensor names and shapes; the checkpoint's other settings
+    (dropout, search) are not taken. Returns the checkpoint folder used."""
+    d = resolve_checkpoint(directory)
+    src = load_model(d, map_location="cpu")
+    family = getattr(model, "family", None)
+    if getattr(src, "family", None) != family:
+        raise TellkitError(f"{d}: holds a '{getattr(src, 'family', None)}' model, this run trains '{family}'")
+    own, theirs = model.state_dict(), src.state_dict()
+    bad = sorted(k for k in set(own) | set(theirs) if k not in own or k not in theirs or own[k].shape != theirs[k].shape)
+    if bad:
+        raise TellkitError(f"{d}: weights do not fit this model's configuration ({len(bad)} tensors differ, e.g. {bad[:3]})")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(theirs[k].to(v.dtype))
+    return d
+
+
 def load_model(directory: str | os.PathLike, map_location: str | torch.device = "cpu", expect: type | None = None):
     """Rebuild a model from ``directory`` (JSON config + safetensors weights)."""
     from safetensors import SafetensorError

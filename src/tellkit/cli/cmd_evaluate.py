@@ -22,28 +22,11 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def resolve_checkpoint(path: str):
-    """A checkpoint folder, or a run folder -> its best (else last) checkpoint."""
-    from pathlib import Path
-
-    from tellkit.errors import TellkitError
-
-    p = Path(path)
-    if not p.exists():
-        raise TellkitError(f"checkpoint not found: {p}")
-    if (p / "checkpoints").is_dir():
-        for name in ("best", "last"):
-            if (p / "checkpoints" / name).exists():
-                return (p / "checkpoints" / name).resolve()
-        raise TellkitError(f"{p}: a run folder without checkpoints")
-    return p.resolve()
-
-
 def run(args) -> int:
     import json
     from pathlib import Path
 
-    from tellkit.checkpoint import load_model, read_checkpoint_config
+    from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
     from tellkit.config import deep_merge, parse_overrides
     from tellkit.errors import TellkitError
     from tellkit.tasks import get_task

@@ -28,7 +28,7 @@ def run(args) -> int:
     import torch
 
     from tellkit.checkpoint import load_model, read_checkpoint_config
-    from tellkit.cli.cmd_evaluate import resolve_checkpoint
+    from tellkit.checkpoint import resolve_checkpoint
     from tellkit.data.how2 import collate_how2, load_features
     from tellkit.errors import TellkitError
     from tellkit.models.vg_gplm import VGGPLM, load_tokenizer

@@ -44,6 +44,9 @@ class TrainConfig:
     samples_per_epoch: int | None = None  # None = one pass over the training set per epoch
     eval_every_epochs: int = 1
     patience: int | None = 30  # early stopping, in evaluations without improvement; None = never
+    # start from the weights of a checkpoint or run folder (fine-tuning, staged training); the
+    # optimizer, schedule and data order start fresh. Ignored by --resume (the run's own state wins).
+    init_from: str | None = None
     # runtime
     amp: bool | str = True  # mixed precision on CUDA: true/"fp16" (with loss scaling), "bf16", false
     seed: int = 1

@@ -250,7 +250,12 @@ def _train(recipe, cfg: TrainConfig, run_dir: Path, dist, log, resume, task, sav
         if "task" not in recipe:
             raise TellkitError("the recipe has no 'task:' (which task trains this model)")
         task = get_task(recipe["task"])(recipe)
-    model = task.build_model().to(dist.device)
+    model = task.build_model()
+    if cfg.init_from and not resume:
+        from tellkit.checkpoint import load_weights_into
+
+        log(f"initial weights from {load_weights_into(model, cfg.init_from)}")
+    model = model.to(dist.device)
     train_set = task.build_dataset("train")
     val_set = task.build_dataset("val")
     if len(train_set) == 0:

@@ -86,3 +86,20 @@ def test_bench_function(tmp_path):
     r = bench_bttr(tmp_path / "ck", images=[SAMPLE_PATH] * 3, batch_size=2)
     assert r["images"] == 3 and r["same_outputs"] is True and r["batched_cached_images_per_s"] > 0
     json.dumps(r)
+
+
+def test_packaged_default_model(capsys):
+    """The committed default of `tellkit recognize`: a trained BTTR (not a placeholder), float16
+    safetensors under 25 MB, that reads the project's own drawn sample correctly."""
+    from tellkit.bench.bttr import SAMPLE_LATEX
+    from tellkit.tasks.recognition import DEFAULT_CHECKPOINT, Recognizer
+
+    assert (DEFAULT_CHECKPOINT / "model.safetensors").stat().st_size <= 25 * 2**20
+    meta = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text(encoding="utf-8"))
+    assert meta["family"] == "bttr" and meta["weights_dtype"] == "float16"
+    assert meta["note"]["optimizer_steps"] >= 10000 and "placeholder" not in json.dumps(meta).lower()
+    rec = Recognizer.load()
+    assert sum(p.numel() for p in rec.model.parameters()) == 6_409_481
+    assert main(["recognize", str(SAMPLE_PATH), "--json"]) == 0  # no --model: the packaged one
+    res = json.loads(capsys.readouterr().out)
+    assert res["latex"] == SAMPLE_LATEX

@@ -97,17 +97,20 @@ def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint folder, or a run folder of ``tellkit train`` -> its best (else last) checkpoint."""
+def resolve_checkpoint(path: str | os.PathLike, follow_links: bool = True) -> Path:
+    """A checkpoint folder, or a run folder of ``tellkit train`` -> its best (else last)
+    checkpoint. ``follow_links=False`` keeps the ``checkpoints/best`` name (for display)
+    instead of the ``step_N`` folder it points to."""
     p = Path(path)
     if not p.exists():
         raise TellkitError(f"checkpoint not found: {p}")
     if (p / "checkpoints").is_dir():
         for name in ("best", "last"):
             if (p / "checkpoints" / name).exists():
-                return (p / "checkpoints" / name).resolve()
+                found = p / "checkpoints" / name
+                return found.resolve() if follow_links else found
         raise TellkitError(f"{p}: a run folder without checkpoints")
-    return p.resolve()
+    return p.resolve() if follow_links else p
 
 
 def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:

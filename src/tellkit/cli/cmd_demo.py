@@ -29,10 +29,9 @@ def run(args) -> int:
     checkpoint = args.checkpoint or (str(DEFAULT_CHECKPOINT) if (DEFAULT_CHECKPOINT / "model.safetensors").is_file() else None)
     if checkpoint:
         captioner = ImageCaptioner.load(checkpoint, device=args.device)
-        about = (DEFAULT_CHECKPOINT / "README.md") if not args.checkpoint else None
         print(f"tellkit demo: captioning with {checkpoint}")
-        if about is not None and about.is_file():
-            print(about.read_text(encoding="utf-8").strip().splitlines()[0].lstrip("# "))
+        if not args.checkpoint:
+            print_model_title(DEFAULT_CHECKPOINT)
     else:
         print("tellkit demo: NO TRAINED DEFAULT CAPTIONING MODEL IS INSTALLED. Running an UNTRAINED tiny "
               "Transform and Tell (random weights) over the real offline encoders to show the pipeline: "
@@ -64,11 +63,16 @@ def demo_math(args) -> None:
 
     rec = Recognizer.load(None, device=args.device)
     print(f"tellkit demo: handwritten math with {DEFAULT_CHECKPOINT}")
-    about = DEFAULT_CHECKPOINT / "README.md"
-    if about.is_file():
-        print(about.read_text(encoding="utf-8").strip().splitlines()[0].lstrip("# "))
+    print_model_title(DEFAULT_CHECKPOINT)
     res = rec.recognize([SAMPLE_PATH])[0]
     if args.json:
         print(json.dumps({"image": SAMPLE_PATH.name, "truth": SAMPLE_LATEX, **res}, ensure_ascii=False))
     else:
         print(f"{SAMPLE_PATH.name} (drawn: {SAMPLE_LATEX}): {res['latex']}")
+
+
+def print_model_title(folder) -> None:
+    """The first line (title) of a packaged model's README.md, when it has one."""
+    about = folder / "README.md"
+    if about.is_file():
+        print(about.read_text(encoding="utf-8").strip().splitlines()[0].lstrip("# "))

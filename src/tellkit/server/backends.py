@@ -148,12 +148,10 @@ class ImageCaptioner:
              **kw) -> "ImageCaptioner":
         """A checkpoint (or run folder) written by ``tellkit train``: the recipe sections in its
         config.json name the encoders, the article context and the generation settings."""
-        from tellkit.checkpoint import load_model, read_checkpoint_config
+        from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
         from tellkit.encoders.tokenizer import CaptionTokenizer
 
-        path = Path(checkpoint)
-        if (path / "checkpoints").is_dir():  # a run folder: its best (else last) checkpoint
-            path = next((path / "checkpoints" / n for n in ("best", "last") if (path / "checkpoints" / n).exists()), path)
+        path = resolve_checkpoint(checkpoint, follow_links=False)
         meta = read_checkpoint_config(path)
         if meta.get("family") not in CAPTION_FAMILIES:
             raise TellkitError(f"{path}: holds a '{meta.get('family')}' model, not a captioner "

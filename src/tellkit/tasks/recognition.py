@@ -154,14 +154,12 @@ class Recognizer:
 
     @classmethod
     def load(cls, checkpoint: str | Path | None = None, device: str = "cpu") -> "Recognizer":
-        from tellkit.checkpoint import load_model, read_checkpoint_config
+        from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
         from tellkit.models.bttr import BTTR
 
-        path = Path(checkpoint) if checkpoint else DEFAULT_CHECKPOINT
-        if (path / "checkpoints").is_dir():  # a run folder: its best (else last) checkpoint
-            path = next((path / "checkpoints" / n for n in ("best", "last") if (path / "checkpoints" / n).exists()), path)
-        if checkpoint is None and not path.is_dir():
-            raise TellkitError(f"no default BTTR checkpoint at {path}; pass --model CHECKPOINT")
+        if checkpoint is None and not DEFAULT_CHECKPOINT.is_dir():
+            raise TellkitError(f"no default BTTR checkpoint at {DEFAULT_CHECKPOINT}; pass --model CHECKPOINT")
+        path = resolve_checkpoint(checkpoint or DEFAULT_CHECKPOINT, follow_links=False)
         meta = read_checkpoint_config(path)
         model = load_model(path, map_location=device, expect=BTTR).float()
         return cls(model, meta.get("data") or {}, meta.get("eval") or {}, path)

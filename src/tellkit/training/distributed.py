@@ -84,4 +84,11 @@ def setup(device: str | None = None) -> DistInfo:
 
 def teardown(info: DistInfo) -> None:
     if info.owns_group and dist.is_initialized():
+        # every rank reaches this point before any rank tears its transport down: a rank that
+        # destroys the group while a peer still talks to it can abort the peer (gloo:
+        # "terminate called without an active exception", SIGABRT after all work was done)
+        import gc
+
+        gc.collect()  # free DDP reducers / pending work kept alive by reference cycles while Python is whole
+        dist.barrier()
         dist.destroy_process_group()

@@ -24,7 +24,8 @@ from tellkit.errors import TellkitError
 
 T = TypeVar("T")
 
-CONFIG_ROOT = Path(__file__).resolve().parents[2] / "configs"
+# Recipes ship inside the package (``tellkit/configs``); the checkout's ``configs/`` links there.
+CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 
 
 def resolve_config_path(name: str | os.PathLike) -> Path:

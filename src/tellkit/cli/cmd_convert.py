@@ -1,0 +1,22 @@
+"""`tellkit convert SRC --out DIR`: import a reference implementation's checkpoint."""
+from __future__ import annotations
+
+NAME = "convert"
+HELP = "import an official checkpoint (BTTR Lightning .ckpt, Transform and Tell best.th) into a tellkit folder"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("src", help="the reference checkpoint file (.ckpt, .th, .pt or .safetensors)")
+    p.add_argument("--out", required=True, help="new tellkit checkpoint folder (must not exist or be empty)")
+    p.add_argument("--family", help="model family (default: recognised from the tensor names)")
+    p.add_argument("options", nargs="*", metavar="KEY=VALUE",
+                   help="converter options (e.g. dictionary=dictionary.txt for BTTR)")
+
+
+def run(args) -> int:
+    from tellkit.config import parse_overrides
+    from tellkit.convert import convert_checkpoint
+
+    out = convert_checkpoint(args.src, args.out, family=args.family, **parse_overrides(args.options))
+    print(f"wrote {out}")
+    return 0

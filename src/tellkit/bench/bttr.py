@@ -12,9 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
-SAMPLE_PATH = ASSETS / "samples" / "bttr_x2_plus_1.png"
-SAMPLE_LATEX = "x ^ { 2 } + 1"
+from tellkit.pipelines.recognition import ASSETS, SAMPLE_LATEX, SAMPLE_PATH  # noqa: F401 - re-exported
 
 
 def _wobble(points, amp=0.6, seed=0.0):

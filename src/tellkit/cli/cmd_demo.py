@@ -58,7 +58,7 @@ def demo_math(args) -> None:
     """The packaged handwritten formula through the default BTTR model (`tellkit recognize`)."""
     import json
 
-    from tellkit.bench.bttr import SAMPLE_PATH, SAMPLE_LATEX
+    from tellkit.pipelines.recognition import SAMPLE_LATEX, SAMPLE_PATH
     from tellkit.tasks.recognition import DEFAULT_CHECKPOINT, Recognizer
 
     rec = Recognizer.load(None, device=args.device)

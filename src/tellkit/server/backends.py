@@ -21,51 +21,17 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
 from tellkit.errors import TellkitError
+from tellkit.pipelines.base import checkpoint_info, finite_or_none
+from tellkit.pipelines.recognition import BTTRMathRecognizer  # noqa: F401 - served from here too
 
 DEFAULT_ENCODERS = {"image": "mobilenet_v2", "article": "all-MiniLM-L6-v2", "faces": "facenet_casia"}
 
 
-class Captioner(Protocol):
-    info: dict[str, Any]
-
-    def caption(self, items: Sequence[tuple[Any, str]]) -> list[dict[str, Any]]: ...
-
-
-class MathRecognizer(Protocol):
-    info: dict[str, Any]
-
-    def recognize(self, images: Sequence[Any]) -> list[dict[str, Any]]: ...
-
-
-def _finite(x) -> float | None:
-    """JSON has no infinities: a search that found nothing scores -inf -> None."""
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def _checkpoint_info(family: str, path: Path | None, meta: dict[str, Any], trained: bool | None = None) -> dict[str, Any]:
-    """What /health and every response say about a model. A checkpoint counts as trained when
-    the training loop wrote it (its metadata has a ``train`` section) unless told otherwise."""
-    if trained is None:
-        trained = bool(meta.get("train")) or bool(meta.get("trained"))
-    info = {"family": family, "checkpoint": str(path) if path else None, "trained": trained}
-    for key in ("task", "step", "tellkit_version", "weights_dtype", "note"):
-        if key in meta:
-            info[key] = meta[key]
-    state = Path(path) / "trainer_state.json" if path else None
-    if state is not None and state.is_file():  # a training-loop checkpoint: how far it got
-        import json
-
-        try:
-            st = json.loads(state.read_text(encoding="utf-8"))
-            info["train_steps"] = st.get("step")
-            info["best"] = {"value": st.get("best"), "step": st.get("best_step")}
-        except (OSError, ValueError):
-            pass
-    return info
+_finite = finite_or_none
+_checkpoint_info = checkpoint_info
 
 
 # --- captioning: Transform and Tell --------------------------------------------------------------
@@ -256,40 +222,3 @@ def _featurizer(encoders, contexts, max_article_tokens: int, device):
     from tellkit.tasks.captioning import Featurizer
 
     return Featurizer(encoders, contexts, max_article_tokens=max_article_tokens, device=device)
-
-
-# --- handwritten math: BTTR ---------------------------------------------------------------------
-class BTTRMathRecognizer:
-    """PIL images -> LaTeX through ``tellkit.tasks.recognition.Recognizer``."""
-
-    def __init__(self, recognizer, info: dict[str, Any], beam_size: int | None = None, max_len: int | None = None):
-        self.rec = recognizer
-        self.beam_size, self.max_len = beam_size, max_len
-        self.info = {"name": "bttr", "parameters": sum(p.numel() for p in recognizer.model.parameters()), **info}
-
-    @classmethod
-    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu", **kw) -> "BTTRMathRecognizer":
-        from tellkit.checkpoint import read_checkpoint_config
-        from tellkit.tasks.recognition import Recognizer
-
-        rec = Recognizer.load(checkpoint, device=device)
-        meta = read_checkpoint_config(rec.checkpoint) if rec.checkpoint else {}
-        return cls(rec, _checkpoint_info("bttr", rec.checkpoint, meta), **kw)
-
-    @classmethod
-    def untrained(cls, seed: int = 0, device: str = "cpu") -> "BTTRMathRecognizer":
-        import torch
-
-        from tellkit.registry import create_model
-        from tellkit.tasks.recognition import Recognizer
-
-        torch.manual_seed(seed)
-        model = create_model("bttr/tiny").eval().to(device)
-        rec = Recognizer(model, {}, {"beam_size": 2, "max_len": 12})
-        return cls(rec, {"family": "bttr", "checkpoint": None, "trained": False,
-                         "note": "tiny random model (tellkit serve --untrained): LaTeX is noise"})
-
-    def recognize(self, images: Sequence[Any]) -> list[dict[str, Any]]:
-        out = self.rec.recognize(list(images), batch_size=max(1, len(images)), beam_size=self.beam_size,
-                                 max_len=self.max_len)
-        return [{**r, "score": _finite(r["score"])} for r in out]

@@ -123,12 +123,11 @@ class StaticVectors:
         default: the packaged all-MiniLM-L6-v2). Vocabulary: every token that is a whole word
         (no WordPiece '##' continuation, no special token), as the tokenizer normalises it."""
         from tellkit.encoders import weights as W
-        from tellkit.encoders.text import _load_hf
 
         path = str(name_or_path) if name_or_path is not None else str(W.minilm_dir())
         table = _local_input_embeddings(path)
         if table is None:  # a hub name, or weights not in one safetensors file: load the model
-            tokenizer, model = _load_hf(path)
+            tokenizer, model = W.load_hf_encoder(path)
             table = model.get_input_embeddings().weight.detach().float()
         else:
             tokenizer = _load_tokenizer(path)

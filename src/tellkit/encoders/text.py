@@ -37,22 +37,6 @@ from tellkit.errors import TellkitError
 DEFAULT_MAX_TOKENS = 512
 
 
-def _load_hf(name_or_path: str):
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModel.from_pretrained(name_or_path)
-    except Exception as exc:  # noqa: BLE001 - hub, network and file errors all end up here
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TellkitError(f"article encoder: cannot load '{name_or_path}': {msg}") from None
-    if not getattr(tokenizer, "is_fast", False):
-        raise TellkitError(f"article encoder: '{name_or_path}' has no fast tokenizer (character offsets are needed)")
-    return tokenizer, model
-
-
 class ArticleEncoder(nn.Module):
     """A frozen Hugging Face encoder returning every hidden state; see the module docstring."""
 
@@ -61,7 +45,7 @@ class ArticleEncoder(nn.Module):
         super().__init__()
         self.name = str(name_or_path) if name_or_path is not None else "all-MiniLM-L6-v2 (packaged)"
         path = str(name_or_path) if name_or_path is not None else str(W.minilm_dir())
-        self.tokenizer, self.model = _load_hf(path)
+        self.tokenizer, self.model = W.load_hf_encoder(path)
         cfg = self.model.config
         self.num_layers: int = cfg.num_hidden_layers + 1  # embedding output + each layer
         self.dim: int = cfg.hidden_size

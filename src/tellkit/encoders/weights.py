@@ -119,3 +119,22 @@ def load_strict(module, state_dict: dict, what: str, source: str = "") -> None:
         src = f" from {source}" if source else ""
         raise TellkitError(f"{what}: weights{src} do not fit the architecture: " + "; ".join(p for p in parts if p))
     module.load_state_dict(state_dict, strict=True)
+
+
+def load_hf_encoder(name_or_path: str):
+    """(fast tokenizer, model) of a Hugging Face text encoder by hub name or local folder; one
+    TellkitError line when it cannot be loaded or has no fast tokenizer (character offsets are
+    needed). Shared by the article encoder and the static word-vector tables."""
+    from transformers import AutoModel, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModel.from_pretrained(name_or_path)
+    except Exception as exc:  # noqa: BLE001 - hub, network and file errors all end up here
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TellkitError(f"article encoder: cannot load '{name_or_path}': {msg}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise TellkitError(f"article encoder: '{name_or_path}' has no fast tokenizer (character offsets are needed)")
+    return tokenizer, model

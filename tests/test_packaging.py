@@ -1,0 +1,178 @@
+"""The package works outside its checkout.
+
+The wheel is built from a copy of the sources (so the checkout's ``build/`` can not leak stale
+files into it), checked to hold every package-data file of ``src/tellkit``, unpacked into a
+temporary folder, and the README's Python example runs from another folder with the checkout
+removed from ``sys.path`` (dependencies come from the running interpreter's site-packages).
+
+Also here: the test process runs with the model hub offline (set by ``tests/conftest.py``) and
+the ``shared_data`` fixture honours ``$TELLKIT_SHARED_DATA`` (skip locally, fail in CI).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "tellkit"
+# Files under src/tellkit that are never package contents.
+_NOT_SHIPPED = re.compile(r"(^|/)(__pycache__/|\.[^/]*$)|\.py[co]$")
+
+
+def readme_python_example() -> str:
+    """The first ```python block of the README's "Python API" section."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Python API\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert section, "README.md has no '## Python API' section"
+    block = re.search(r"```python\n(.*?)```", section.group(1), re.S)
+    assert block, "README.md's Python API section has no ```python block"
+    return block.group(1)
+
+
+def _source_files() -> set[str]:
+    out = set()
+    for p in PACKAGE.rglob("*"):
+        rel = p.relative_to(PACKAGE.parent).as_posix()
+        if p.is_file() and not _NOT_SHIPPED.search(rel):
+            out.add(rel)
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src-copy"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    shutil.copytree(ROOT / "src", src / "src", ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    out = tmp / "dist"
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+           "--disable-pip-version-check", "-q", "-w", str(out), str(src)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"wheel build failed:\n{proc.stdout}\n{proc.stderr}"
+    wheels = list(out.glob("tellkit-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+@pytest.mark.slow
+def test_wheel_ships_every_package_file_and_the_default_models(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(_source_files() - names)
+    assert not missing, f"files of src/tellkit missing from the wheel (add them to package-data): {missing}"
+    for required in ("tellkit/py.typed", "tellkit/configs/tat/tiny.yaml",
+                     "tellkit/assets/default_caption/config.json", "tellkit/assets/default_caption/model.safetensors",
+                     "tellkit/assets/bttr_default/config.json", "tellkit/assets/bttr_default/model.safetensors",
+                     "tellkit/server/static/index.html"):
+        assert required in names
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "tellkit = tellkit.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+# Runs in a fresh interpreter (-I: no PYTHONPATH, no user site, no script folder on sys.path).
+# The checkout's src would still arrive through the editable install's .pth in site-packages,
+# so every sys.path entry inside the checkout is dropped before tellkit is imported, and no
+# module may be loaded from the checkout afterwards.
+_RUNNER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+
+    site, checkout, example = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    env = Path(sys.prefix).resolve()  # the interpreter's environment may live in the checkout (.venv)
+
+
+    def in_checkout(path) -> bool:
+        path = Path(path).resolve()
+        return path.is_relative_to(checkout) and not path.is_relative_to(env)
+
+
+    sys.path[:] = [p for p in sys.path if p and not in_checkout(p)]
+    sys.path.insert(0, str(site))
+
+    exec(compile(example, "README.md (Python API)", "exec"))
+
+    import tellkit
+    from importlib.resources import files
+
+    assert Path(tellkit.__file__).resolve().is_relative_to(site), tellkit.__file__
+    assert Path("ckpt/config.json").is_file() and Path("ckpt/model.safetensors").is_file()
+    assert model.num_parameters() > 0
+    for name in ("default_caption", "bttr_default"):
+        default = tellkit.load_model(files("tellkit") / "assets" / name)
+        assert default.num_parameters() > 0, name
+    leaked = sorted(n for n, m in list(sys.modules.items()) if in_checkout(getattr(m, "__file__", None) or "/"))
+    assert not leaked, f"modules imported from the checkout: {leaked}"
+    print("family", model.family)
+""")
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs_from_the_unpacked_wheel(wheel, tmp_path):
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    proc = subprocess.run(
+        [sys.executable, "-I", "-c", _RUNNER, str(site), str(ROOT), readme_python_example()],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"README example failed outside the checkout:\n{proc.stdout}\n{proc.stderr}"
+    assert "family transform_and_tell" in proc.stdout
+
+
+def test_readme_example_is_the_documented_one():
+    code = readme_python_example()
+    assert 'tellkit.create_model("tat/tiny")' in code
+    assert "save_pretrained(" in code and "tellkit.load_model(" in code
+
+
+def test_model_hub_is_offline_in_the_test_process():
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+    assert os.environ.get("TRANSFORMERS_OFFLINE") == "1"
+    from huggingface_hub import constants
+
+    assert constants.HF_HUB_OFFLINE is True  # read once at import: the variable came first
+
+
+_PROBE = """
+def test_probe(shared_data):
+    print("DATA", shared_data)
+"""
+
+
+def _run_probe(tmp_path, **env_overrides) -> subprocess.CompletedProcess:
+    shutil.copy2(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    data: shared data\n", encoding="utf-8")
+    (tmp_path / "test_probe.py").write_text(_PROBE, encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "TELLKIT_SHARED_DATA")}
+    env.update(env_overrides)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_shared_data_fixture_honours_the_variable_skips_locally_and_fails_in_ci(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    found = _run_probe(tmp_path, TELLKIT_SHARED_DATA=str(data), CI="true")
+    assert found.returncode == 0 and f"DATA {data}" in found.stdout, found.stdout
+
+    absent = str(tmp_path / "absent")
+    local = _run_probe(tmp_path, TELLKIT_SHARED_DATA=absent)
+    assert local.returncode == 0 and "1 skipped" in local.stdout and absent in local.stdout, local.stdout
+
+    ci = _run_probe(tmp_path, TELLKIT_SHARED_DATA=absent, CI="true")
+    # pytest.fail in a fixture reports an error (exit status 1), never a skip
+    assert ci.returncode == 1 and "1 error" in ci.stdout and "CI=true" in ci.stdout, ci.stdout

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tellkit-installed
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo lint test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ setup: $(STAMP) $(KATEX_DIR)/katex.min.js
 demo: setup
 	$(BIN)/tellkit demo
 
+# ruff, configured in pyproject.toml ([tool.ruff]); installed by the dev extra.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# pytest's exit status 5 (nothing collected) is non-zero, so make fails on it like on a failure.
 test: setup
 	$(BIN)/python -m pytest -q
 

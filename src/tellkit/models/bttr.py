@@ -3,7 +3,7 @@
 Zhao, Gao, Yan, Wang, ICDAR 2021 (reference code: Green-Wood/BTTR). Read top to bottom:
 DenseNet-B encoder -> 1x1 conv to d_model (+ReLU, LayerNorm) -> 2-D normalised sinusoidal image
 positions -> 3-layer post-LN transformer decoder trained on left-to-right and right-to-left
-copies of every target at once -> approximate joint search (``tellkit.decoding.joint_search``).
+copies of every target at once -> approximate joint search (``tellkit.models.bttr_search``).
 
 What differs from the reference
 * The encoder zeroes padded pixels before every convolution when a batch has padding, and
@@ -11,8 +11,8 @@ What differs from the reference
   exactly the features it gets alone, so batched search equals one-by-one search.
 * Decoding keeps a key/value cache per layer (the reference recomputes every prefix) and
   runs batched over images and beams; ``use_cache=False`` gives the reference's recomputation.
-* Length normalisation in the joint search divides by the number of predicted tokens
-  (hypothesis + end token).
+* ``variant: tellkit-0.1`` keeps the pre-activation DenseNet and block sin|cos positions of
+  checkpoints written by tellkit 0.1, so that they still load; new models use the reference's.
 
 Token conventions (``tellkit.data.latex.Vocab``): ``<pad>`` = 0, ``<sos>`` = 1, ``<eos>`` = 2.
 Left-to-right: ``<sos> y1..yT`` predicts ``y1..yT <eos>``; right-to-left: ``<eos> yT..y1``
@@ -34,6 +34,8 @@ from tellkit.layers.positional import SinusoidalPositions
 from tellkit.registry import register_model
 
 PAD, SOS, EOS = 0, 1, 2
+VARIANTS = ("reference", "tellkit-0.1")
+LEGACY = "tellkit-0.1"
 
 
 @dataclass
@@ -57,6 +59,16 @@ class BTTRConfig:
     beam_size: int = 10
     max_len: int = 200
     alpha: float = 1.0  # length normalisation exponent
+    # "reference": Green-Wood/BTTR's layers and positional encodings (weights port both ways);
+    # "tellkit-0.1": the pre-activation DenseNet and block sin|cos positions of checkpoints
+    # written by tellkit 0.1 (kept so that they still load)
+    variant: str = "reference"
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            from tellkit.errors import TellkitError
+
+            raise TellkitError(f"bttr: unknown variant {self.variant!r} (one of {', '.join(VARIANTS)})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +80,38 @@ def _masked(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 class Bottleneck(nn.Module):
-    """BN-ReLU-1x1 conv (4k) - BN-ReLU-3x3 conv (k), dropout; output concatenated to the input."""
+    """The reference's layer: 1x1 conv (4k) - BN - ReLU - dropout - 3x3 conv (k) - BN - ReLU -
+    dropout; the output is concatenated to the input."""
+
+    def __init__(self, cin: int, growth: int, dropout: float):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, 4 * growth, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(4 * growth)
+        self.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(growth)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        h = _masked(self.drop(F.relu(self.bn1(self.conv1(x)))), mask)
+        h = _masked(self.drop(F.relu(self.bn2(self.conv2(h)))), mask)
+        return torch.cat([x, h], 1)
+
+
+class Transition(nn.Module):
+    """The reference's transition: 1x1 conv (compression) - BN - ReLU - dropout - 2x2 average pool."""
+
+    def __init__(self, cin: int, cout: int, dropout: float):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, 1, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return F.avg_pool2d(_masked(self.drop(F.relu(self.bn(self.conv(x)))), mask), 2, ceil_mode=True)
+
+
+class PreactBottleneck(nn.Module):
+    """``variant: tellkit-0.1`` only: BN-ReLU-1x1 conv (4k) - BN-ReLU-3x3 conv (k), dropout."""
 
     def __init__(self, cin: int, growth: int, dropout: float):
         super().__init__()
@@ -79,15 +122,15 @@ class Bottleneck(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        h = self.conv1(F.relu(self.bn1(x)))  # 1x1: pointwise, padding cannot leak in
+        h = self.conv1(F.relu(self.bn1(x)))
         h = self.conv2(_masked(F.relu(self.bn2(h)), mask))
         return torch.cat([x, _masked(self.drop(h), mask)], 1)
 
 
-class Transition(nn.Module):
-    """BN-ReLU-1x1 conv (compression) - 2x2 average pool."""
+class PreactTransition(nn.Module):
+    """``variant: tellkit-0.1`` only: BN-ReLU-1x1 conv (compression) - 2x2 average pool."""
 
-    def __init__(self, cin: int, cout: int):
+    def __init__(self, cin: int, cout: int, dropout: float):
         super().__init__()
         self.bn = nn.BatchNorm2d(cin)
         self.conv = nn.Conv2d(cin, cout, 1, bias=False)
@@ -96,87 +139,124 @@ class Transition(nn.Module):
         return F.avg_pool2d(_masked(self.conv(F.relu(self.bn(x))), mask), 2, ceil_mode=True)
 
 
+def _halve(mask: torch.Tensor | None) -> torch.Tensor | None:
+    return None if mask is None else mask[:, 0::2, 0::2]
+
+
 class DenseNetB(nn.Module):
-    """[B, 1, H, W] -> [B, 684, H/16, W/16] (with the defaults), and the mask at that scale."""
+    """[B, 1, H, W] -> [B, 684, H/16, W/16] (with the defaults), and the mask at that scale.
+
+    Reference layout: 7x7/2 conv - BN - ReLU - 2x2 max-pool, three dense blocks with
+    transitions between them, and after the last block a BatchNorm with no ReLU."""
 
     def __init__(self, c: BTTRConfig):
         super().__init__()
+        legacy = c.variant == LEGACY
+        layer, trans = (PreactBottleneck, PreactTransition) if legacy else (Bottleneck, Transition)
         k = c.growth_rate
+        self.legacy = legacy
         self.stem = nn.Conv2d(c.in_channels, c.stem_channels, 7, stride=2, padding=3, bias=False)
         self.stem_bn = nn.BatchNorm2d(c.stem_channels)
         ch = c.stem_channels
         self.blocks = nn.ModuleList()
         self.transitions = nn.ModuleList()
         for b in range(c.num_blocks):
-            self.blocks.append(nn.ModuleList(Bottleneck(ch + i * k, k, c.encoder_dropout) for i in range(c.block_depth)))
+            self.blocks.append(nn.ModuleList(layer(ch + i * k, k, c.encoder_dropout) for i in range(c.block_depth)))
             ch += c.block_depth * k
             if b < c.num_blocks - 1:
                 out = int(math.floor(ch * c.compression))
-                self.transitions.append(Transition(ch, out))
+                self.transitions.append(trans(ch, out, c.encoder_dropout))
                 ch = out
         self.out_channels = ch
         self.post_bn = nn.BatchNorm2d(ch)
-        # channels-last convolution weights make the dense blocks ~25% faster on CPU (oneDNN)
-        # and are what GPUs prefer; values and checkpoints are unaffected
+        # channels-last convolution weights make the dense blocks faster on CPU (oneDNN) and
+        # are what GPUs prefer; values and checkpoints are unaffected
         self.to(memory_format=torch.channels_last)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        full = mask is None or bool(mask.all())
-        m = None if full else mask
+        # with no padding in the batch (one image, or equal sizes) nothing needs masking
+        m = None if mask is None or bool(mask.all()) else mask
         x = self.stem(_masked(x, m))
-        mask = mask[:, 0::2, 0::2] if mask is not None else None
-        m = None if full else mask
+        mask, m = _halve(mask), _halve(m)
         x = F.max_pool2d(_masked(F.relu(self.stem_bn(x)), m), 2, ceil_mode=True)
-        mask = mask[:, 0::2, 0::2] if mask is not None else None
-        m = None if full else mask
+        mask, m = _halve(mask), _halve(m)
         for b, block in enumerate(self.blocks):
             x = _masked(x, m)
             for layer in block:
                 x = layer(x, m)
             if b < len(self.transitions):
                 x = self.transitions[b](x, m)
-                mask = mask[:, 0::2, 0::2] if mask is not None else None
-                m = None if full else mask
+                mask, m = _halve(mask), _halve(m)
         if mask is None:
             mask = torch.ones(x.shape[0], x.shape[2], x.shape[3], dtype=torch.bool, device=x.device)
-        return F.relu(self.post_bn(x)), mask
+        x = self.post_bn(x)
+        return (F.relu(x) if self.legacy else x), mask
 
 
 # ---------------------------------------------------------------------------------------------
-# Positional encodings
+# Positional encodings (the reference's layout: interleaved sin/cos)
 # ---------------------------------------------------------------------------------------------
-def sinusoid(pos: torch.Tensor, dim: int, temperature: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal encoding of fractional positions: [...] -> [..., dim] (sin | cos). (Words use
-    the shared integer-position table, :mod:`tellkit.layers.positional`.)"""
-    freqs = temperature ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)
-    ang = pos.float()[..., None] * freqs
-    return torch.cat([ang.sin(), ang.cos()], -1)
+def word_positions(length: int, d_model: int, start: int = 0, device=None) -> torch.Tensor:
+    """[length, d] encodings of positions start..start+length-1 (the first token is position 0):
+    channel 2j = sin(p * w_j), channel 2j+1 = cos(p * w_j), w_j = 10000^(-2j/d)."""
+    pos = torch.arange(start, start + length, dtype=torch.float32, device=device)
+    w = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float32, device=device) / d_model)
+    ang = pos[:, None] * w[None]
+    return torch.stack([ang.sin(), ang.cos()], -1).flatten(1)
 
 
 def image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
-    """2-D normalised encoding [B, H, W, d]: x' = x / W_real, y' = y / H_real, scaled by 2*pi,
-    each encoded with d/2 dimensions and concatenated. Positions count only real pixels."""
+    """2-D normalised encoding [B, H, W, d] as the reference's ``ImgPosEnc``: x' = x / W_real,
+    y' = y / H_real (positions count real pixels only), scaled by 2*pi. Each axis uses d/2
+    channels with frequencies w_i = 10000^(-i/(d/2)), i = 0..d/2-1: channel i is sin(x' w_i) for
+    even i and cos(x' w_i) for odd i; the x channels come first, then the y channels."""
     m = mask.float()
     y = m.cumsum(1)
     x = m.cumsum(2)
     y = y / (y[:, -1:, :] + 1e-6) * 2 * math.pi
     x = x / (x[:, :, -1:] + 1e-6) * 2 * math.pi
-    return torch.cat([sinusoid(x, d_model // 2), sinusoid(y, d_model // 2)], -1)
+    half = d_model // 2
+    w = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=mask.device) / half)
+
+    def axis(v: torch.Tensor) -> torch.Tensor:
+        ang = v[..., None] * w
+        return torch.stack([ang[..., 0::2].sin(), ang[..., 1::2].cos()], -1).flatten(-2)
+
+    return torch.cat([axis(x), axis(y)], -1)
+
+
+def _legacy_sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:
+    freqs = 10000.0 ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)
+    ang = pos.float()[..., None] * freqs
+    return torch.cat([ang.sin(), ang.cos()], -1)
+
+
+def legacy_image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
+    """``variant: tellkit-0.1`` only: per axis sin block | cos block, d/4 frequencies."""
+    m = mask.float()
+    y = m.cumsum(1)
+    x = m.cumsum(2)
+    y = y / (y[:, -1:, :] + 1e-6) * 2 * math.pi
+    x = x / (x[:, :, -1:] + 1e-6) * 2 * math.pi
+    return torch.cat([_legacy_sinusoid(x, d_model // 2), _legacy_sinusoid(y, d_model // 2)], -1)
 
 
 class Encoder(nn.Module):
+    """DenseNet-B -> 1x1 conv to d_model -> ReLU -> LayerNorm -> + 2-D positions, flattened."""
+
     def __init__(self, c: BTTRConfig):
         super().__init__()
         self.densenet = DenseNetB(c)
         self.proj = nn.Conv2d(self.densenet.out_channels, c.d_model, 1)
         self.norm = nn.LayerNorm(c.d_model)
         self.d_model = c.d_model
+        self.positions = legacy_image_positions if c.variant == LEGACY else image_positions
 
     def forward(self, image: torch.Tensor, image_mask: torch.Tensor | None = None):
         """-> memory [B, h*w, d], memory_mask [B, h*w] (True = real)."""
         feat, mask = self.densenet(image, image_mask)
         feat = F.relu(self.proj(feat)).permute(0, 2, 3, 1)  # [B, h, w, d]
-        feat = self.norm(feat) + image_positions(mask, self.d_model)
+        feat = self.norm(feat) + self.positions(mask, self.d_model)
         b = feat.shape[0]
         return feat.reshape(b, -1, self.d_model), mask.reshape(b, -1)
 
@@ -219,13 +299,19 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
         self.embed_norm = nn.LayerNorm(c.d_model)
-        self.positions = SinusoidalPositions(c.d_model)
+        self.d_model = c.d_model
+        self.legacy_positions = SinusoidalPositions(c.d_model) if c.variant == LEGACY else None
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_decoder_layers))
         self.out = nn.Linear(c.d_model, c.vocab_size)
 
+    def positions(self, length: int, start: int, device) -> torch.Tensor:
+        if self.legacy_positions is not None:
+            return self.legacy_positions(length, start).to(device)
+        return word_positions(length, self.d_model, start, device)
+
     def forward(self, tokens, memory, memory_mask, cache: list | None = None, start: int = 0):
         """tokens [N, L] at positions start..start+L-1 -> logits [N, L, V]."""
-        x = self.embed_norm(self.embed(tokens)) + self.positions(tokens.shape[1], start).to(tokens.device)
+        x = self.embed_norm(self.embed(tokens)) + self.positions(tokens.shape[1], start, tokens.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, memory, memory_mask, None if cache is None else cache[i])
         return self.out(x)
@@ -274,7 +360,7 @@ class BTTR(nn.Module, PretrainedMixin):
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=PAD)
         return {"loss": loss, "ntokens": int((tgt != PAD).sum()), "logits": logits}
 
-    # --- decoding API used by tellkit.decoding.joint_search ------------------------------
+    # --- decoding API used by tellkit.models.bttr_search ------------------------------
     def new_cache(self, memory: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None,
                   repeats: int = 1) -> list[dict]:
         """Per-layer decoding state. With ``memory`` the cross-attention keys/values are projected
@@ -324,9 +410,9 @@ class BTTR(nn.Module, PretrainedMixin):
     def generate(self, image: torch.Tensor, image_mask: torch.Tensor | None = None, beam_size: int | None = None,
                  max_len: int | None = None, bidirectional: bool = True, rescore: bool = True,
                  use_cache: bool = True, alpha: float | None = None) -> dict[str, Any]:
-        """Approximate joint search (see :mod:`tellkit.decoding.joint_search`).
+        """Approximate joint search (see :mod:`tellkit.models.bttr_search`).
         -> {"tokens": list[list[int]] (no sos/eos), "scores": list[float]}"""
-        from tellkit.decoding.joint_search import joint_search
+        from tellkit.models.bttr_search import joint_search
 
         c = self.config
         return joint_search(self, image, image_mask, beam_size=beam_size or c.beam_size,

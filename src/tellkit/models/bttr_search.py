@@ -8,8 +8,10 @@ The beam follows the reference's rule: at each step the top ``k - finished`` con
 are kept; those ending in the end token are finished, the rest stay live (the beam shrinks),
 until ``k`` are finished or ``max_len`` steps. Here every image of a batch and both directions
 run together (rows = image x direction x beam); dead slots carry a score of -inf.
-What differs from the reference: batching, the cache (``use_cache=False`` recomputes every
-prefix like the reference), and the length used for normalisation (tokens + end token).
+The final choice is the reference's: (own score + opposite direction's score) / len**alpha,
+where len is the number of predicted symbols (at least 1) and both scores include the end
+token. What differs from the reference: batching and the cache (``use_cache=False`` recomputes
+every prefix like the reference).
 
 The model supplies ``encode``, ``new_cache``, ``reorder_cache``, ``step_logprobs`` and
 ``sequence_logprob`` (see :class:`tellkit.models.bttr.BTTR`).
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-PAD, SOS, EOS = 0, 1, 2
+from tellkit.models.bttr import EOS, PAD, SOS
 NEG = float("-inf")
 
 
@@ -147,7 +149,7 @@ def joint_search(model, image: torch.Tensor, image_mask: torch.Tensor | None = N
         opp = torch.zeros(n)
     best: list[tuple[float, list[int]]] = [(NEG, []) for _ in range(b)]
     for j, (i, s, l2r, _) in enumerate(items):
-        total = (s + float(opp[j])) / ((len(l2r) + 1) ** alpha)
+        total = (s + float(opp[j])) / (max(len(l2r), 1) ** alpha)
         if total > best[i][0]:
             best[i] = (total, l2r)
     return {"tokens": [t for _, t in best], "scores": [s for s, _ in best]}

@@ -14,7 +14,7 @@ length counting its EOS (as fairseq does).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -31,7 +31,6 @@ class Hypothesis:
     tokens: list[int]
     score: float  # length-normalised
     log_prob: float  # sum of token log-probabilities (including EOS when finished by EOS)
-    positional: list[float] = field(default_factory=list)
 
 
 def _constrain(lp: torch.Tensor, step: int, *, eos_id: int, bos_id: int, pad_id: int, min_len: int, max_len: int) -> None:

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.tellkit-installed
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: setup demo lint test bench clean
+.PHONY: setup demo lint test wheel bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,12 @@ lint: $(STAMP)
 # pytest's exit status 5 (nothing collected) is non-zero, so make fails on it like on a failure.
 test: setup
 	$(BIN)/python -m pytest -q
+
+# dist/tellkit-*.whl with everything the package reads at run time (recipes, default models, the
+# demo page and its KaTeX); build/lib is cleared first so that no stale module slips in.
+wheel: $(KATEX_DIR)/katex.min.js | $(BIN)/python
+	rm -rf build/lib build/bdist.* dist
+	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w dist .
 
 bench: setup
 	$(BIN)/tellkit bench --out bench/results

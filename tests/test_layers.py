@@ -207,12 +207,82 @@ def test_sinusoidal_table_formula_and_growth():
 
 
 def test_layer_mix_softmax_weighted_sum():
-    mix = LayerMix(3)
+    mix = LayerMix(3, init="zeros")
     h = torch.randn(2, 3, 5, 4)
-    torch.testing.assert_close(mix(h), h.mean(1))  # zero init = uniform
+    torch.testing.assert_close(mix(h), h.mean(1))  # zero init = uniform mix
     with torch.no_grad():
         mix.weights.copy_(torch.tensor([0.0, 1.0, 2.0]))
     a = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0)
     torch.testing.assert_close(mix(h), (h * a.view(1, 3, 1, 1)).sum(1))
     with pytest.raises(ValueError):
         mix(torch.randn(2, 4, 5, 4))
+
+
+def test_layer_mix_default_init_is_uniform_0_1_like_the_reference():
+    torch.manual_seed(0)
+    w = LayerMix(10_000).weights.detach()
+    assert 0.0 <= w.min() and w.max() <= 1.0
+    assert abs(w.mean().item() - 0.5) < 0.02 and abs(w.var().item() - 1 / 12) < 0.005
+    with pytest.raises(ValueError):
+        LayerMix(3, init="normal")
+
+
+# -- GehringLinear (weight-normalised) ---------------------------------------------------------
+def test_gehring_linear_weight_norm_and_init():
+    from tellkit.layers.linear import GehringLinear
+
+    torch.manual_seed(0)
+    lin = GehringLinear(400, 300)
+    names = dict(lin.named_parameters())
+    assert set(names) == {"weight_g", "weight_v", "bias"}
+    assert names["weight_g"].shape == (300, 1) and names["weight_v"].shape == (300, 400)
+    assert sum(p.numel() for p in lin.parameters()) == 400 * 300 + 300 + 300  # one g per output
+    # at init W = v, drawn from N(0, 1/fan_in); bias 0
+    torch.testing.assert_close(lin.effective_weight(), lin.weight_v.detach())
+    assert abs(lin.weight_v.std().item() - (1 / 400) ** 0.5) < 0.002 and lin.bias.abs().sum() == 0
+    # W = g * v / ||v|| row-wise: scaling v leaves the layer unchanged, g sets each row's norm
+    x = torch.randn(5, 400)
+    y = lin(x)
+    with torch.no_grad():
+        lin.weight_v.mul_(3.0)
+    torch.testing.assert_close(lin(x), y, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        lin.weight_g.fill_(2.0)
+    torch.testing.assert_close(lin.effective_weight().norm(dim=1), torch.full((300,), 2.0))
+    # same formula as PyTorch's weight_norm reparametrisation (dim=0)
+    ref = torch.nn.Linear(400, 300)
+    ref = torch.nn.utils.parametrizations.weight_norm(ref, dim=0)
+    with torch.no_grad():
+        ref.parametrizations.weight.original0.copy_(lin.weight_g)
+        ref.parametrizations.weight.original1.copy_(lin.weight_v)
+        ref.bias.copy_(lin.bias)
+    torch.testing.assert_close(ref(x), lin(x))
+    plain = GehringLinear(4, 3, weight_norm=False, bias=False)
+    assert set(dict(plain.named_parameters())) == {"weight"}
+
+
+def test_adaptive_input_band_padding_rows_are_zero_and_frozen():
+    emb = AdaptiveInput(50, 8, [10, 30], 1.0, padding_idx=1, band_padding_idx=0)
+    for band in emb.embeddings:
+        assert band.weight[0].abs().sum() == 0
+    out = emb(torch.tensor([[0, 10, 30, 1]]))
+    assert out[0, :3].abs().sum() == 0 and out[0, 3].abs().sum() > 0
+    out.sum().backward()
+    for band in emb.embeddings:
+        assert band.weight.grad[0].abs().sum() == 0
+
+
+def test_adaptive_softmax_reference_loss_drops_in_cluster_term_of_relative_pad():
+    torch.manual_seed(0)
+    emb = AdaptiveInput(50, 8, [10, 30], 1.0)
+    sm = AdaptiveSoftmax(50, 8, [10, 30], 1.0, tied_to=emb)
+    x = torch.randn(4, 8)
+    target = torch.tensor([3, 11, 31, 12])  # 11 = 10 + 1 and 31 = 30 + 1: relative id 1 in their tails
+    exact = sm.target_log_probs(x, target)
+    full = sm.log_probs(x)
+    torch.testing.assert_close(exact, full[torch.arange(4), target])
+    ref = sm.target_log_probs(x, target, ignore_in_cluster=1)
+    torch.testing.assert_close(ref[[0, 3]], exact[[0, 3]])
+    head = sm._head_logprobs(x)
+    torch.testing.assert_close(ref[1], head[1, 10])  # only log p(cluster 1)
+    torch.testing.assert_close(ref[2], head[2, 11])  # only log p(cluster 2)

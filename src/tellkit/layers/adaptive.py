@@ -28,19 +28,26 @@ def _bands(vocab_size: int, cutoffs: tuple[int, ...] | list[int]) -> list[tuple[
 
 
 class AdaptiveInput(nn.Module):
-    def __init__(self, vocab_size: int, dim: int, cutoffs, factor: float = 1.0, padding_idx: int | None = 1):
+    def __init__(self, vocab_size: int, dim: int, cutoffs, factor: float = 1.0, padding_idx: int | None = 1,
+                 band_padding_idx: int | None = None):
+        """``padding_idx``: a vocabulary id whose embedding starts at zero. ``band_padding_idx``:
+        instead, row ``band_padding_idx`` of EVERY band is zero and never updated (the reference
+        configures ``padding_idx: 0`` per band, so ids 0, 5000 and 20000 embed to zero)."""
         super().__init__()
         self.vocab_size, self.dim, self.factor = vocab_size, dim, factor
         self.bands = _bands(vocab_size, cutoffs)
         self.padding_idx = padding_idx
+        self.band_padding_idx = band_padding_idx
         self.embeddings = nn.ModuleList()
         self.projections = nn.ModuleList()
         for i, (lo, hi) in enumerate(self.bands):
             bdim = int(dim // (factor**i))
-            emb = nn.Embedding(hi - lo, bdim)
+            emb = nn.Embedding(hi - lo, bdim, padding_idx=band_padding_idx)
             nn.init.normal_(emb.weight, mean=0.0, std=bdim**-0.5)
-            if padding_idx is not None and lo <= padding_idx < hi:
-                with torch.no_grad():
+            with torch.no_grad():
+                if band_padding_idx is not None:
+                    emb.weight[band_padding_idx].zero_()
+                elif padding_idx is not None and lo <= padding_idx < hi:
                     emb.weight[padding_idx - lo].zero_()
             proj = nn.Linear(bdim, dim, bias=False)
             nn.init.xavier_uniform_(proj.weight)
@@ -124,9 +131,14 @@ class AdaptiveSoftmax(nn.Module):
             parts.append(tail + head[:, self.head_size + i - 1: self.head_size + i])
         return torch.cat(parts, dim=-1).view(*shape, self.vocab_size)
 
-    def target_log_probs(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def target_log_probs(self, x: torch.Tensor, target: torch.Tensor,
+                         ignore_in_cluster: int | None = None) -> torch.Tensor:
         """log p(target) without building the full distribution: [N, dim], [N] -> [N] (float32).
-        Tails are evaluated only for the rows whose target falls in them."""
+        Tails are evaluated only for the rows whose target falls in them.
+
+        ``ignore_in_cluster``: reproduce fairseq's AdaptiveLoss, which applies the padding index
+        to each tail's *relative* targets as well, so a word whose id within its tail equals it
+        (ids cutoff + 1) contributes only log p(cluster)."""
         x = F.dropout(x.reshape(-1, self.dim), p=self.dropout, training=self.training)
         target = target.reshape(-1)
         head = self._head_logprobs(x)
@@ -138,5 +150,8 @@ class AdaptiveSoftmax(nn.Module):
             if rows.numel() == 0:
                 continue
             tail = torch.log_softmax(F.linear(self._tail_hidden(x[rows], i), self._tail_out_weight(i)).float(), dim=-1)
-            out[rows] = head[rows, self.head_size + i - 1] + tail.gather(1, (target[rows] - lo)[:, None]).squeeze(1)
+            word = tail.gather(1, (target[rows] - lo)[:, None]).squeeze(1)
+            if ignore_in_cluster is not None:
+                word = word.masked_fill(target[rows] - lo == ignore_in_cluster, 0.0)
+            out[rows] = head[rows, self.head_size + i - 1] + word
         return out

@@ -7,8 +7,9 @@ normalised weights), and used to mix the inputs x_{t-K+1} .. x_t of that head's 
 It is strictly causal: no position sees the future.
 
 :class:`DynamicConv1d` is the bare operation; :class:`DynamicConvLayer` is the decoder
-sub-layer around it (input dropout, Linear d->2d + GLU, conv, Linear d->d). Residual and
-LayerNorm belong to the block that uses it.
+sub-layer around it (input dropout, Linear d->2d + GLU, conv, Linear d->d; the two linears are
+weight-normalised ``GehringLinear`` layers with ``gehring_linear=True``, as in the reference).
+Residual and LayerNorm belong to the block that uses it.
 
 Incremental decoding: pass a ``state`` dict; the layer keeps only the last K-1 inputs of the
 convolution and processes new positions against them. A full forward pass is the same
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tellkit.layers.linear import GehringLinear
 
 
 class DynamicConv1d(nn.Module):
@@ -78,16 +81,21 @@ class DynamicConvLayer(nn.Module):
     """Input dropout -> Linear(d, 2d) -> GLU -> DynamicConv1d -> Linear(d, d)."""
 
     def __init__(self, dim: int, kernel_size: int, num_heads: int, weight_dropout: float = 0.1,
-                 input_dropout: float = 0.1, glu: bool = True, weight_softmax: bool = True):
+                 input_dropout: float = 0.1, glu: bool = True, weight_softmax: bool = True,
+                 gehring_linear: bool = False):
         super().__init__()
         self.input_dropout = input_dropout
         self.glu = glu
-        self.linear1 = nn.Linear(dim, 2 * dim if glu else dim)
+        if gehring_linear:  # the reference: N(0, 1/fan_in) + weight normalisation
+            self.linear1 = GehringLinear(dim, 2 * dim if glu else dim)
+            self.linear2 = GehringLinear(dim, dim)
+        else:
+            self.linear1 = nn.Linear(dim, 2 * dim if glu else dim)
+            self.linear2 = nn.Linear(dim, dim)
+            for lin in (self.linear1, self.linear2):
+                nn.init.xavier_uniform_(lin.weight)
+                nn.init.zeros_(lin.bias)
         self.conv = DynamicConv1d(dim, kernel_size, num_heads, weight_dropout, weight_softmax)
-        self.linear2 = nn.Linear(dim, dim)
-        for lin in (self.linear1, self.linear2):
-            nn.init.xavier_uniform_(lin.weight)
-            nn.init.zeros_(lin.bias)
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> torch.Tensor:
         x = F.dropout(x, p=self.input_dropout, training=self.training)

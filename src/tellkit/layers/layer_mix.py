@@ -2,7 +2,8 @@
 
 Transform and Tell (Tran et al. 2020) embeds article token i as sum_l alpha_l g_{l,i} over the
 25 hidden states of RoBERTa-large (embedding output + 24 layers); the reference code keeps one
-free weight per layer and normalises them with a softmax. Zero initialisation = uniform mix.
+free weight per layer, initialised uniform(0, 1) as the reference does, and normalises them with
+a softmax (``init="zeros"`` starts from an exactly uniform mix).
 """
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from torch import nn
 
 
 class LayerMix(nn.Module):
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, init: str = "uniform"):
         super().__init__()
+        if init not in ("uniform", "zeros"):
+            raise ValueError(f"LayerMix init must be 'uniform' or 'zeros', got {init!r}")
         self.num_layers = num_layers
         self.weights = nn.Parameter(torch.zeros(num_layers))
+        if init == "uniform":
+            nn.init.uniform_(self.weights, 0.0, 1.0)
 
     def forward(self, hidden: torch.Tensor, layer_dim: int = 1) -> torch.Tensor:
         """``hidden``: [..., num_layers (at ``layer_dim``), ...] -> same without that dim."""

@@ -1,8 +1,10 @@
 """Sinusoidal position encodings (Vaswani et al. 2017), as a table and as a module.
 
 Layout follows fairseq (which Transform and Tell builds on): the first half of the channels
-are sines, the second half cosines, with frequencies 10000^(-i/(half-1)). Positions are
-counted from 0 for the first token; there are no parameters.
+are sines, the second half cosines, with frequencies 10000^(-i/(half-1)). Row p of the table
+encodes position p; the caller chooses the number of the first token (fairseq and Transform and
+Tell's reference number it padding_idx + 1 = 2, and give padding the zero row 1). There are no
+parameters.
 """
 from __future__ import annotations
 

@@ -15,9 +15,13 @@ is everything trained on top of them:
 Article vectors are a learned softmax-weighted sum over the encoder's hidden states.
 Faithful to the reference configuration (fairseq-style dynamic conv with GLU and weight
 softmax, context attention with key/value bias and a zero-attention slot, adaptive input
-factor 1 with cutoffs [5000, 20000]); ``configs/tat/nytimes_full.yaml`` has 200.4M trainable
-parameters, as the reference. Differences: the copy head copies only from the article given
-as input (the reference's withdrawn copy results leaked the caption); positions count from 0.
+factor 1 with cutoffs [5000, 20000], weight-normalised ``GehringLinear`` projections, layer mix
+initialised uniform(0, 1), the first token at position 2 as fairseq numbers positions);
+``configs/tat/nytimes_full.yaml`` has 200,461,337 trainable parameters, exactly as the reference
+counts, and the reference's weights port with ``tellkit convert``. Differences: the copy head
+copies only from the article given as input (the reference's withdrawn copy results leaked the
+caption); the loss is the exact adaptive-softmax cross-entropy (``reference_adaptive_loss``
+gives the reference's, which drops the in-cluster term of the ids 5001 and 20001).
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
 from tellkit.layers.attention import MultiheadAttention, ProjectedKV
 from tellkit.layers.dynamic_conv import DynamicConv1d, DynamicConvLayer
 from tellkit.layers.layer_mix import LayerMix
+from tellkit.layers.linear import GehringLinear
 from tellkit.layers.positional import SinusoidalPositions
 from tellkit.registry import register_model
 
@@ -63,6 +68,20 @@ class TransformAndTellConfig:
     relu_dropout: float = 0.0
     weight_dropout: float = 0.1
     scale_embeddings: bool = True
+    # number of the first caption position (the reference: padding_idx + 1 = 2; padding
+    # positions then get the zero encoding); 0 numbers from zero
+    position_start: int = 0
+    # linear layers of the blocks: the reference's GehringLinear (N(0, 1/fan_in) + weight
+    # normalisation, one extra parameter per output) or plain Xavier-initialised nn.Linear
+    gehring_linear: bool = False
+    # the reference's adaptive input has padding_idx 0 in every band: ids 0, 5000, 20000 embed to
+    # zero and are never trained
+    reference_embedding_padding: bool = False
+    # the reference's AdaptiveLoss ignores target 1 inside each tail cluster too (ids 5001 and
+    # 20001 lose their in-cluster term); False = the exact cross-entropy
+    reference_adaptive_loss: bool = False
+    # article layer-mix weights: "uniform" (the reference: uniform(0, 1)) or "zeros"
+    layer_mix_init: str = "uniform"
     # adaptive input / softmax
     adaptive_cutoffs: tuple[int, ...] = (5000, 20000)
     adaptive_factor: float = 1.0
@@ -97,6 +116,8 @@ class TransformAndTellConfig:
             raise ValueError("copy needs the article context")
         if self.d_model % self.num_heads:
             raise ValueError("d_model must be divisible by num_heads")
+        if self.position_start < 0:
+            raise ValueError("position_start must be >= 0")
 
     def context_dim(self, name: str) -> int:
         return {"image": self.image_dim, "article": self.article_dim, "faces": self.face_dim,
@@ -110,7 +131,7 @@ class DecoderBlock(nn.Module):
         d = cfg.d_model
         self.dropout, self.relu_dropout = cfg.dropout, cfg.relu_dropout
         self.conv = DynamicConvLayer(d, kernel_size, cfg.num_heads, cfg.weight_dropout, cfg.input_dropout,
-                                     cfg.glu, cfg.weight_softmax)
+                                     cfg.glu, cfg.weight_softmax, gehring_linear=cfg.gehring_linear)
         self.conv_norm = nn.LayerNorm(d)
         self.context_attn = nn.ModuleDict({
             name: MultiheadAttention(d, cfg.num_heads, kdim=cfg.context_dim(name), vdim=cfg.context_dim(name),
@@ -118,13 +139,18 @@ class DecoderBlock(nn.Module):
                                      add_zero_attn=cfg.context_zero_attn)
             for name in cfg.contexts})
         self.context_norm = nn.ModuleDict({name: nn.LayerNorm(d) for name in cfg.contexts})
-        self.context_proj = nn.Linear(len(cfg.contexts) * d, d)
-        self.fc1 = nn.Linear(d, cfg.ffn_dim)
-        self.fc2 = nn.Linear(cfg.ffn_dim, d)
+        if cfg.gehring_linear:
+            self.context_proj = GehringLinear(len(cfg.contexts) * d, d)
+            self.fc1 = GehringLinear(d, cfg.ffn_dim)
+            self.fc2 = GehringLinear(cfg.ffn_dim, d)
+        else:
+            self.context_proj = nn.Linear(len(cfg.contexts) * d, d)
+            self.fc1 = nn.Linear(d, cfg.ffn_dim)
+            self.fc2 = nn.Linear(cfg.ffn_dim, d)
+            for lin in (self.context_proj, self.fc1, self.fc2):
+                nn.init.xavier_uniform_(lin.weight)
+                nn.init.zeros_(lin.bias)
         self.final_norm = nn.LayerNorm(d)
-        for lin in (self.context_proj, self.fc1, self.fc2):
-            nn.init.xavier_uniform_(lin.weight)
-            nn.init.zeros_(lin.bias)
 
     def project_contexts(self, contexts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, ProjectedKV]:
         return {name: attn.project_kv(*contexts[name][:1], key_padding_mask=contexts[name][1])
@@ -188,9 +214,11 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         self.config = cfg = config
         d = cfg.d_model
         self.embed_scale = math.sqrt(d) if cfg.scale_embeddings else 1.0
-        self.embed = AdaptiveInput(cfg.vocab_size, d, cfg.adaptive_cutoffs, cfg.adaptive_factor, cfg.pad_id)
+        self.embed = AdaptiveInput(cfg.vocab_size, d, cfg.adaptive_cutoffs, cfg.adaptive_factor, cfg.pad_id,
+                                   band_padding_idx=0 if cfg.reference_embedding_padding else None)
         self.positions = SinusoidalPositions(d)
-        self.article_mix = LayerMix(cfg.article_layers) if "article" in cfg.contexts and cfg.article_layers > 1 else None
+        self.article_mix = (LayerMix(cfg.article_layers, init=cfg.layer_mix_init)
+                            if "article" in cfg.contexts and cfg.article_layers > 1 else None)
         self.layers = nn.ModuleList(DecoderBlock(cfg, k) for k in cfg.kernel_sizes)
         self.softmax = AdaptiveSoftmax(cfg.vocab_size, d, cfg.adaptive_cutoffs, cfg.adaptive_factor,
                                        cfg.adaptive_softmax_dropout, tied_to=self.embed, tie_proj=cfg.tie_adaptive_proj)
@@ -240,10 +268,19 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         return ctx
 
     # -- decoder ------------------------------------------------------------------------------
+    def embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Scaled adaptive input + sinusoidal position of ``tokens`` [B, T] whose first column is
+        caption position ``start`` (numbered from ``position_start``)."""
+        dtype = self.embed.projections[0].weight.dtype
+        pos = self.positions(tokens.size(1), start + self.config.position_start).to(dtype)
+        if self.config.position_start > 0:  # fairseq: padding takes the zero position encoding
+            pos = pos.unsqueeze(0) * (tokens != self.config.pad_id).unsqueeze(-1).to(dtype)
+        return self.embed(tokens) * self.embed_scale + pos
+
     def decode(self, tokens: torch.Tensor, ctx: Contexts, states: list[dict] | None = None, start: int = 0,
                need_weights: bool = False):
         """Run the decoder on ``tokens`` [B, T] whose first position is ``start``."""
-        x = self.embed(tokens) * self.embed_scale + self.positions(tokens.size(1), start).to(self.embed.projections[0].weight.dtype)
+        x = self.embed_tokens(tokens, start)
         x = F.dropout(x, self.config.dropout, self.training)
         attn = []
         for i, layer in enumerate(self.layers):
@@ -272,7 +309,8 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         ctx = self.project_contexts(self.encode_contexts(batch))
         h, _ = self.decode(inp, ctx)
         mask = target != self.config.pad_id
-        lp = self.softmax.target_log_probs(h[mask], target[mask])
+        lp = self.softmax.target_log_probs(h[mask], target[mask],
+                                           ignore_in_cluster=self.config.pad_id if self.config.reference_adaptive_loss else None)
         if self.copy_head is not None:
             gate, w = self._copy_terms(h, ctx)
             hit = (ctx.article_ids[:, None, :] == target[:, :, None]).to(w.dtype)

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from tellkit.config import from_dict
 from tellkit.errors import TellkitError
 
-OPTIMIZERS = ("adamw", "adam", "adadelta")
+OPTIMIZERS = ("adamw", "adam", "adadelta", "bert_adam")
 SCHEDULERS = ("linear_warmup", "step", "plateau", "constant")
 
 
@@ -34,6 +34,7 @@ class TrainConfig:
     plateau_patience: int = 2  # plateau: evaluations without improvement before lr *= factor
     plateau_factor: float = 0.5
     clip_norm: float = 0.1  # max gradient L2 norm; 0 = no clipping
+    max_grad_norm: float = 0.0  # bert_adam only: clip EACH parameter's gradient to this norm
     # batches
     batch_size: int = 16  # samples per process per micro-batch (a cap when max_tokens is set)
     max_tokens: int | None = None  # optional cap on tokens per batch (length-bucketed batches)

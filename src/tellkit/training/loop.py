@@ -54,6 +54,11 @@ def build_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.opt
         raise TellkitError("the model has no trainable parameters")
     if cfg.optimizer == "adamw":  # decoupled weight decay ("bert_adam"-style)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "bert_adam":  # the Transform and Tell reference's (training/bert_adam.py)
+        from tellkit.training.bert_adam import BertAdam
+
+        return BertAdam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        max_grad_norm=cfg.max_grad_norm)
     if cfg.optimizer == "adam":  # L2 penalty added to the gradient
         return torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.Adadelta(groups, lr=cfg.lr, rho=cfg.rho, eps=cfg.eps, weight_decay=cfg.weight_decay)

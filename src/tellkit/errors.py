@@ -8,8 +8,8 @@ The contract, for every part of the package:
   e.g. ``TellkitError(f"{path}: holds a 'bttr' model, not a captioner")``. Chain the cause
   (``raise ... from exc``) when there is one.
 * The ``tellkit`` command prints it as ``tellkit <command>: error: <message>`` on stderr and
-  exits with status 2, never with a traceback (``tellkit.cli.main``). The web server answers it
-  with HTTP 422 and the message as JSON (``tellkit.server``).
+  exits with status 2, never with a traceback (``tellkit.cli.main``). The web server answers a
+  request that raises it with HTTP 422 and the message as JSON (``tellkit.server``).
 * A missing optional dependency is a :class:`MissingExtraError`, raised by
   :func:`tellkit.utils.optional.require`, whose message names the ``pip install 'tellkit[extra]'``
   that fixes it.

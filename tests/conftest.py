@@ -47,6 +47,7 @@ def shared_data() -> Path:
     pytest.skip(message)
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the markers
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "shared_data" in getattr(item, "fixturenames", ()) and item.get_closest_marker("data") is None:

@@ -151,14 +151,14 @@ def test_probe(shared_data):
 """
 
 
-def _run_probe(tmp_path, **env_overrides) -> subprocess.CompletedProcess:
+def _run_probe(tmp_path, *args: str, **env_overrides: str) -> subprocess.CompletedProcess:
     shutil.copy2(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    data: shared data\n", encoding="utf-8")
     (tmp_path / "test_probe.py").write_text(_PROBE, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "TELLKIT_SHARED_DATA")}
     env.update(env_overrides)
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider", *args, str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
 
@@ -176,3 +176,7 @@ def test_shared_data_fixture_honours_the_variable_skips_locally_and_fails_in_ci(
     ci = _run_probe(tmp_path, TELLKIT_SHARED_DATA=absent, CI="true")
     # pytest.fail in a fixture reports an error (exit status 1), never a skip
     assert ci.returncode == 1 and "1 error" in ci.stdout and "CI=true" in ci.stdout, ci.stdout
+
+    # a test that takes the fixture is marked `data`, so -m leaves it out
+    unmarked = _run_probe(tmp_path, "-m", "not data", TELLKIT_SHARED_DATA=absent, CI="true")
+    assert unmarked.returncode == 5 and "1 deselected" in unmarked.stdout, unmarked.stdout

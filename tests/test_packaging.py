@@ -84,7 +84,11 @@ def test_wheel_ships_every_package_file_and_the_default_models(wheel):
 # so every sys.path entry inside the checkout is dropped before tellkit is imported, and no
 # module may be loaded from the checkout afterwards.
 _RUNNER = textwrap.dedent("""
+    import contextlib
+    import io
+    import json
     import sys
+    from importlib.resources import files
     from pathlib import Path
 
     site, checkout, example = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -102,14 +106,19 @@ _RUNNER = textwrap.dedent("""
     exec(compile(example, "README.md (Python API)", "exec"))
 
     import tellkit
-    from importlib.resources import files
+    from tellkit.cli import main
 
     assert Path(tellkit.__file__).resolve().is_relative_to(site), tellkit.__file__
     assert Path("ckpt/config.json").is_file() and Path("ckpt/model.safetensors").is_file()
     assert model.num_parameters() > 0
-    for name in ("default_caption", "bttr_default"):
+    for name in ("default_caption", "bttr_default"):  # the packaged default models load
         default = tellkit.load_model(files("tellkit") / "assets" / name)
         assert default.num_parameters() > 0, name
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # the command line finds the packaged recipe too
+        assert main(["model-info", "tat/tiny"]) == 0
+    assert json.loads(out.getvalue())["family"] == model.family
+
     leaked = sorted(n for n, m in list(sys.modules.items()) if in_checkout(getattr(m, "__file__", None) or "/"))
     assert not leaked, f"modules imported from the checkout: {leaked}"
     print("family", model.family)

@@ -105,8 +105,9 @@ def run(args) -> int:
     from tellkit.utils.optional import require
 
     require("fastapi", "server", "tellkit serve")
-    uvicorn = require("uvicorn", "server", "tellkit serve")
+    require("uvicorn", "server", "tellkit serve")
     from tellkit.server.app import check_static, create_app
+    from tellkit.server.runner import serve
 
     if not 0 <= args.port <= 65535:
         raise TellkitError(f"--port {args.port}: out of range")
@@ -135,5 +136,5 @@ def run(args) -> int:
     app = create_app(captioner, recognizer, limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                      serve_page=not args.api_only)
     print(f"tellkit serve: http://{args.host}:{args.port}/", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    serve(app, args.host, args.port, limits, log_level=args.log_level)
     return 0

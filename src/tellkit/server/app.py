@@ -16,14 +16,16 @@ that is not loaded or a full queue, 504 past the per-request timeout.
 # imported lazily inside create_app.
 import asyncio
 import contextlib
+import inspect
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from tellkit.errors import TellkitError
 from tellkit.server.batching import BatchWorker, QueueFull
-from tellkit.server.limits import Limits, RequestError, check_article, decode_image, fit_side
+from tellkit.server.limits import Limits, RequestError, check_article, decode_image
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 VENDOR_FILES = ("vendor/katex/katex.min.js", "vendor/katex/katex.min.css")
@@ -39,59 +41,159 @@ def check_static() -> None:
             "`make setup` from the npm registry; run it, or start with --api-only")
 
 
-class _BodyLimit:
-    """ASGI middleware: refuse request bodies over ``max_bytes`` with 413, from Content-Length
-    when given and by counting streamed chunks otherwise (so chunked uploads are capped too)."""
+class _Refused(Exception):
+    """Raised into the app when the request body is refused (the guard answers instead)."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        too_big = RequestError(413, "request_too_large", f"request body over the limit of {self.max_bytes:,} bytes")
-        if length is not None:
+class _FormScanner:
+    """Streams a multipart/form-data body beside the app's own parser, keeping no data: every
+    text field (a part without a filename) must be UTF-8 and at most ``max_chars`` characters.
+    A broken body is left to the app's parser to report."""
+
+    def __init__(self, boundary: bytes, max_chars: int):
+        from python_multipart.multipart import MultipartParser
+
+        self.max_chars, self.error, self.broken = max_chars, None, False
+        self._reset()
+        self.parser = MultipartParser(boundary, {
+            "on_part_begin": self._reset, "on_header_field": self._header_field, "on_header_value": self._header_value,
+            "on_header_end": self._header_end, "on_headers_finished": self._headers_finished,
+            "on_part_data": self._data, "on_part_end": self._end})
+
+    def feed(self, chunk: bytes) -> RequestError | None:
+        if chunk and not self.broken and self.error is None:
             try:
-                n = int(length)
-            except ValueError:
-                return await _send_error(send, RequestError(400, "bad_content_length", "invalid Content-Length"))
-            if n > self.max_bytes:
-                return await _send_error(send, too_big)
-        seen = 0
-        started = exceeded = False
+                self.parser.write(chunk)
+            except _Refused:
+                pass
+            except Exception:  # noqa: BLE001 - malformed multipart: the form parser answers 400
+                self.broken = True
+        return self.error
 
-        async def counting_receive():
-            nonlocal seen, exceeded
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    exceeded = True
-                    raise _TooLarge()
-            return msg
+    # -- parser callbacks
+    def _reset(self):
+        self.field, self.value, self.disposition, self.name = b"", b"", b"", None
+        self.decoder, self.bytes, self.chars = None, 0, 0
 
-        async def guarded_send(msg):
-            # once the body is over the limit, whatever the app answers (a parse error) is
-            # replaced by the 413 below
-            nonlocal started
-            if exceeded and not started:
-                return
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
+    def _header_field(self, data, start, end):
+        self.field += data[start:end]
 
+    def _header_value(self, data, start, end):
+        self.value += data[start:end]
+
+    def _header_end(self):
+        if self.field.lower() == b"content-disposition":
+            self.disposition = self.value
+        self.field, self.value = b"", b""
+
+    def _headers_finished(self):
+        import codecs
+
+        from python_multipart.multipart import parse_options_header
+
+        _, options = parse_options_header(self.disposition)
+        self.name = options.get(b"name", b"").decode("utf-8", "replace")
+        if b"filename" not in options:  # a text field
+            self.decoder = codecs.getincrementaldecoder("utf-8")("strict")
+
+    def _data(self, data, start, end):
+        if self.decoder is not None:
+            self._decode(data[start:end], final=False)
+
+    def _end(self):
+        if self.decoder is not None:
+            self._decode(b"", final=True)
+
+    def _decode(self, raw: bytes, final: bool):
         try:
-            await self.app(scope, counting_receive, guarded_send)
-        except _TooLarge:
-            pass
-        if exceeded and not started:
-            await _send_error(send, too_big)
+            self.chars += len(self.decoder.decode(raw, final))
+        except UnicodeDecodeError as exc:
+            at = self.bytes + exc.start
+            self._fail(400, "not_utf8", f"the '{self.name}' field is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} "
+                       f"near offset {at:,}); send the text encoded as UTF-8")
+        self.bytes += len(raw)
+        if self.chars > self.max_chars:
+            code = "article_too_long" if self.name == "article" else "field_too_long"
+            self._fail(413, code, f"the '{self.name}' field has more than {self.max_chars:,} characters, "
+                       "over the limit")
+
+    def _fail(self, status, code, message):
+        self.error = RequestError(status, code, message)
+        raise _Refused()
 
 
-class _TooLarge(Exception):
-    pass
+class _Body:
+    """The request body as the app reads it, with the guard's bounds: the idle and total body
+    timeouts, the byte limit and the text-field checks. ``refusal`` is set when one is hit."""
+
+    def __init__(self, receive, limits: Limits, content_type: bytes | None):
+        self._receive, self.limits = receive, limits
+        self.seen, self.done, self.t0 = 0, False, None
+        self.refusal: RequestError | None = None
+        self.discard_rest = False
+        self.scanner = None
+        if content_type and content_type.split(b";")[0].strip().lower() == b"multipart/form-data":
+            from python_multipart.multipart import parse_options_header
+
+            boundary = parse_options_header(content_type)[1].get(b"boundary")
+            if boundary:
+                self.scanner = _FormScanner(boundary, limits.max_article_chars)
+
+    async def _next(self):
+        now = time.monotonic()
+        if self.t0 is None:
+            self.t0 = now
+        left = self.t0 + self.limits.body_timeout_s - now
+        if left <= 0:
+            raise TimeoutError(f"the request body did not arrive within {self.limits.body_timeout_s:g} s")
+        try:
+            return await asyncio.wait_for(self._receive(), min(left, self.limits.body_idle_timeout_s))
+        except asyncio.TimeoutError:
+            if left <= self.limits.body_idle_timeout_s:
+                raise TimeoutError(f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
+            raise TimeoutError(f"no request data for {self.limits.body_idle_timeout_s:g} s") from None
+
+    def refuse(self, err: RequestError, discard_rest: bool):
+        self.refusal, self.discard_rest = err, discard_rest
+        raise _Refused()
+
+    async def receive(self):
+        if self.refusal is not None:
+            raise _Refused()
+        if self.done:  # after the body (waiting for a disconnect): no timeout
+            return await self._receive()
+        try:
+            msg = await self._next()
+        except TimeoutError as exc:
+            self.refuse(RequestError(408, "request_timeout", str(exc)), discard_rest=False)
+        if msg["type"] != "http.request":
+            self.done = True
+            return msg
+        chunk = msg.get("body", b"")
+        self.seen += len(chunk)
+        self.done = not msg.get("more_body", False)
+        if self.seen > self.limits.max_upload_bytes:
+            self.refuse(_too_large(self.limits), discard_rest=True)
+        if self.scanner is not None:
+            err = self.scanner.feed(chunk)
+            if err is not None:
+                self.refuse(err, discard_rest=True)
+        return msg
+
+    async def discard(self) -> None:
+        """Read and drop the rest of the body (at most ``max_discard_bytes``, within the body
+        timeouts) so that a client that sends its whole body before reading gets the answer
+        instead of a connection reset."""
+        dropped = 0
+        while not self.done and dropped <= self.limits.max_discard_bytes:
+            try:
+                msg = await self._next()
+            except TimeoutError:
+                return
+            if msg["type"] != "http.request":
+                return
+            dropped += len(msg.get("body", b""))
+            self.done = not msg.get("more_body", False)
 
 
 async def _send_error(send, err: RequestError):
@@ -102,6 +204,73 @@ async def _send_error(send, err: RequestError):
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _too_large(limits: Limits) -> RequestError:
+    return RequestError(413, "request_too_large", f"request body over the limit of {limits.max_upload_bytes:,} bytes")
+
+
+class _RequestGuard:
+    """ASGI middleware in front of the app. Every request: a body over ``max_upload_bytes`` is
+    refused with 413 (from Content-Length when given, else counted while streaming); a body
+    that stalls (``body_idle_timeout_s``) or drags (``body_timeout_s``) gets 408; text fields of
+    a form must be UTF-8 (400) and within ``max_article_chars`` (413). POST /api/* requests are
+    admitted at most ``max_inflight`` at once (503 beyond). The rest of a refused body is read
+    and dropped (bounded) before the JSON answer, so every client can read it."""
+
+    def __init__(self, app, limits: Limits, counters: dict):
+        self.app, self.limits, self.counters = app, limits, counters
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limits = self.limits
+        headers = dict(scope.get("headers") or [])
+        body = _Body(receive, limits, headers.get(b"content-type"))
+        refusal = None
+        length = headers.get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                n = None
+                refusal = RequestError(400, "bad_content_length", "invalid Content-Length")
+            if n is not None and n > limits.max_upload_bytes:
+                refusal = _too_large(limits)
+        api = scope.get("method") == "POST" and scope.get("path", "").startswith("/api/")
+        if refusal is None and api and self.counters["inflight"] >= limits.max_inflight:
+            refusal = RequestError(503, "busy", f"the server is handling {limits.max_inflight} requests; retry shortly")
+        if refusal is not None:
+            # a client waiting for "100 Continue" has not sent its body: answer at once
+            if b"100-continue" not in headers.get(b"expect", b"").lower():
+                await body.discard()
+            return await _send_error(send, refusal)
+
+        started = False
+
+        async def guarded_send(msg):
+            # once the body is refused, whatever the app answers (a parse error) is replaced
+            nonlocal started
+            if body.refusal is not None and not started:
+                return
+            if msg["type"] == "http.response.start":
+                started = True
+            await send(msg)
+
+        if api:
+            self.counters["inflight"] += 1  # the event loop is single-threaded: no lock needed
+        try:
+            await self.app(scope, body.receive, guarded_send)
+        except Exception:  # noqa: BLE001
+            if body.refusal is None:
+                raise
+        finally:
+            if api:
+                self.counters["inflight"] -= 1
+        if body.refusal is not None and not started:
+            if body.discard_rest:
+                await body.discard()
+            await _send_error(send, body.refusal)
 
 
 def create_app(captioner=None, recognizer=None, limits: Limits | None = None, max_batch: int = 8,
@@ -136,9 +305,14 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         for w in workers.values():  # stop the model threads when the server stops
             w.close()
 
+    extra = {}
+    if "form_limits" in inspect.signature(fastapi.FastAPI).parameters:
+        # a text field may use up to 4 UTF-8 bytes per character; the guard counts characters
+        extra["form_limits"] = {"max_part_size": 4 * limits.max_article_chars + 4, "max_files": 4, "max_fields": 16}
     app = fastapi.FastAPI(title="tellkit", version=_version(), docs_url=None, redoc_url=None, lifespan=lifespan,
-                          description="Transform and Tell captions and BTTR handwritten-math recognition.")
+                          description="Transform and Tell captions and BTTR handwritten-math recognition.", **extra)
     app.state.workers, app.state.limits, app.state.models = workers, limits, models
+    counters = {"inflight": 0}
 
     # -- errors ---------------------------------------------------------------------------------
     @app.exception_handler(RequestError)
@@ -155,8 +329,19 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail.startswith("Part exceeded maximum size"):
+            # the form parser's own text-field cap (a FastAPI without form_limits)
+            return JSONResponse({"error": "article_too_long", "detail": f"the article is over the limit of "
+                                 f"{limits.max_article_chars:,} characters"}, status_code=413)
+        code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return JSONResponse({"error": code, "detail": detail}, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_req, exc: Exception):
+        log.error("internal error", exc_info=exc)
+        return JSONResponse({"error": "internal_error", "detail": f"{type(exc).__name__} (logged on the server)"},
+                            status_code=500)
 
     async def run_model(name: str, item: Any, t0: float):
         worker = workers.get(name)
@@ -180,25 +365,16 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
             log.exception("%s model failed", name)
             raise RequestError(500, "model_error", f"the {name} model failed: {type(exc).__name__}: {exc}") from None
 
-    def prepare(data: bytes, content_type: str | None, max_side: int):
-        return fit_side(decode_image(data, limits, content_type), max_side)
+    decoding = threading.BoundedSemaphore(limits.max_decoding)
+
+    def prepare(upload, max_side: int):
+        with decoding:  # at most max_decoding full-size bitmaps in memory at once
+            upload.file.seek(0)
+            return decode_image(upload.file, limits, upload.content_type, max_side)
 
     async def read_image(upload, max_side: int) -> Any:
-        data = await upload.read()
-        return await run_in_threadpool(prepare, data, upload.content_type, max_side)
-
-    inflight = {"n": 0}
-
-    @contextlib.contextmanager
-    def admitted():
-        """Bound the requests being decoded, queued or run at once (memory stays bounded)."""
-        if inflight["n"] >= limits.max_inflight:
-            raise RequestError(503, "busy", f"the server is handling {limits.max_inflight} requests; retry shortly")
-        inflight["n"] += 1  # the event loop is single-threaded: no lock needed
-        try:
-            yield
-        finally:
-            inflight["n"] -= 1
+        # the upload is read from the form parser's spooled file (on disk past 1 MiB), not copied
+        return await run_in_threadpool(prepare, upload, max_side)
 
     from pydantic import BaseModel
 
@@ -256,7 +432,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     @app.get("/health", tags=["status"], summary="Server status and the models it serves")
     def health() -> dict:
         return {"status": "ok", "version": _version(), "models": models,
-                "workers": {k: w.snapshot() for k, w in workers.items()}, "inflight": inflight["n"],
+                "workers": {k: w.snapshot() for k, w in workers.items()}, "inflight": counters["inflight"],
                 "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__}}
 
     @app.post("/api/caption", tags=["models"], summary="Caption an image, optionally in the context of an article",
@@ -264,10 +440,9 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     async def caption(image: UploadFile = File(..., description="PNG, JPEG, WebP, BMP or GIF"),
                       article: str | None = Form(None, description="article text (optional)")) -> dict:
         t0 = time.perf_counter()
-        with admitted():
-            text = check_article(article, limits)
-            img, original = await read_image(image, limits.caption_max_side)
-            res = await run_model("caption", (img, text), t0)
+        text = check_article(article, limits)
+        img, original = await read_image(image, limits.caption_max_side)
+        res = await run_model("caption", (img, text), t0)
         return {**res, "resized_from": original, "model": models["caption"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
@@ -275,9 +450,8 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
               responses=errors(400, 413, 415, 422, 503, 504), response_model=RecognizeResponse)
     async def recognize(image: UploadFile = File(..., description="dark ink on a light background, or the reverse")) -> dict:
         t0 = time.perf_counter()
-        with admitted():
-            img, original = await read_image(image, limits.math_max_side)
-            res = await run_model("math", img, t0)
+        img, original = await read_image(image, limits.math_max_side)
+        res = await run_model("math", img, t0)
         return {**res, "resized_from": original, "model": models["math"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
@@ -288,7 +462,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
 
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
-    app.add_middleware(_BodyLimit, max_bytes=limits.max_upload_bytes)
+    app.add_middleware(_RequestGuard, limits=limits, counters=counters)
     return app
 
 

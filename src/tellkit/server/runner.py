@@ -1,13 +1,23 @@
-"""Run the app with uvicorn on a background thread, bound to loopback (tests, load benchmark).
+"""Run the app with uvicorn, bound to loopback by default: ``serve`` (``tellkit serve``) and
+:class:`ServerThread` (tests, load benchmark) use the same HTTP protocol settings.
 
     with ServerThread(app) as srv:
         urllib.request.urlopen(srv.url + "/health")
+
+The HTTP/1.1 protocol is uvicorn's h11 implementation with two changes (:func:`protocol_class`):
+a request whose line and headers are not complete within ``header_timeout_s`` of the connection
+opening (or of the previous response on a kept-alive connection) is answered 408 and closed
+(a client that drips bytes is not kept forever), and a malformed request is answered with the
+API's JSON error body instead of plain text. Body timeouts are enforced by the app's guard.
 """
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -16,16 +26,94 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _raw_json_response(status: int, reason: str, code: str, detail: str) -> bytes:
+    body = json.dumps({"error": code, "detail": detail}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            "connection: close\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+def protocol_class(header_timeout_s: float):
+    """uvicorn's h11 protocol with a header timeout and JSON protocol errors."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def connection_lost(self, exc):
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the request line and headers are in
+                self._cancel_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
+                self._arm_header_timer()  # a kept-alive connection: the next request's headers
+
+        def send_400_response(self, msg: str) -> None:
+            self._cancel_header_timer()
+            detail = msg.rstrip(".") + " (malformed HTTP/1.1 request line, headers or body framing)"
+            self.transport.write(_raw_json_response(400, "Bad Request", "bad_request", detail))
+            self.transport.close()
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            if self.conn.trailing_data[0]:  # part of a request arrived, not all of its headers
+                self.transport.write(_raw_json_response(
+                    408, "Request Timeout", "request_timeout",
+                    f"the request headers did not arrive within {header_timeout_s:g} s"))
+            self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, limits=None, **kwargs):
+    """A ``uvicorn.Config`` for ``app`` with tellkit's protocol (header timeout from ``limits``,
+    else the app's ``state.limits``, else the defaults)."""
+    import uvicorn
+
+    from tellkit.server.limits import Limits
+
+    limits = limits or getattr(getattr(app, "state", None), "limits", None) or Limits()
+    return uvicorn.Config(app, host=host, port=port, http=protocol_class(limits.header_timeout_s), **kwargs)
+
+
+def serve(app, host: str, port: int, limits=None, log_level: str = "info") -> None:
+    """Run until interrupted (``tellkit serve``)."""
+    import uvicorn
+
+    uvicorn.Server(uvicorn_config(app, host, port, limits, log_level=log_level, timeout_graceful_shutdown=5)).run()
+
+
 class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 30.0):
         import uvicorn
 
-        if host not in ("127.0.0.1", "localhost", "::1"):
+        if host not in LOOPBACK:
             raise ValueError("ServerThread binds loopback only")
         self.host, self.port = host, port or free_port(host)
         self.url = f"http://{self.host}:{self.port}"
-        config = uvicorn.Config(app, host=self.host, port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
+        self.server = uvicorn.Server(uvicorn_config(app, self.host, self.port, log_level="warning", lifespan="on"))
         self._thread = threading.Thread(target=self.server.run, name="tellkit-test-server", daemon=True)
         self.start_timeout = start_timeout
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import tellkit.encoders.features as features_mod
 from tellkit.config import deep_merge, load_yaml
-from tellkit.tasks.captioning import CaptioningTask, Featurizer, collate_captions
+from tellkit.data.batch import collate_captions
+from tellkit.encoders.bundle import EncoderBundle
+from tellkit.tasks.captioning import CaptioningTask
 from tellkit.training import train
 
 FIX = Path(__file__).parent / "fixtures"
@@ -18,6 +21,7 @@ FIX = Path(__file__).parent / "fixtures"
 
 class _Img:
     out_dim = 16
+    name = "fake"
 
     def encode(self, pils):
         x = torch.stack([torch.full((5, 16), float(sum(p.getpixel((0, 0)))) / 765) for p in pils])
@@ -35,28 +39,35 @@ class _Art:
     def count_tokens(self, text):
         return len(text.split())
 
-    def encode(self, texts):
+    def encode(self, texts, max_tokens=512):
         n = max(len(t.split()) for t in texts)
         g = torch.Generator().manual_seed(n)
         mask = torch.tensor([[i < len(t.split()) for i in range(n)] for t in texts])
         offs = [[(0, 1)] * len(t.split()) for t in texts]
-        return {"hidden": torch.randn(len(texts), 3, n, 24, generator=g), "mask": mask, "offsets": offs}
+        return {"hidden": torch.randn(len(texts), 3, n, 24, generator=g), "mask": mask, "offsets": offs,
+                "tokens": [t.split() for t in texts]}
 
     def caption_ids(self, texts, offsets):
         return torch.full((len(texts), max(len(o) for o in offsets)), 100)
 
 
-class FakeEncoders:
+class FakeBundle(EncoderBundle):
+    """The real encoding routine over fake encoders."""
+
     built = 0
 
-    def __init__(self, cfg):
-        FakeEncoders.built += 1
-        self.image, self.faces, self.article = _Img(), (_Faces() if cfg.faces else None), (_Art() if cfg.article else None)
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        FakeBundle.built += 1
+
+    image_encoder = property(lambda self: _Img())
+    face_encoder = property(lambda self: _Faces())
+    article_encoder = property(lambda self: _Art())
 
 
 @pytest.fixture
 def fake_encoders(monkeypatch):
-    monkeypatch.setattr(features_mod, "_Encoders", FakeEncoders)
+    monkeypatch.setattr(features_mod, "EncoderBundle", FakeBundle)
 
 
 def recipe(tmp_path, **train):
@@ -72,9 +83,9 @@ def recipe(tmp_path, **train):
 def test_feature_cache_and_collate(tmp_path, fake_encoders):
     task = CaptioningTask(recipe(tmp_path))
     ds = task.build_dataset("train")
-    assert (tmp_path / "feats" / "train-first_tokens" / "features.json").is_file() and FakeEncoders.built == 1
+    assert (tmp_path / "feats" / "train-first_tokens" / "features.json").is_file() and FakeBundle.built == 1
     again = task.build_dataset("train")  # finished shards are reused: no encoder is built
-    assert FakeEncoders.built == 1 and len(again) == 1
+    assert FakeBundle.built == 1 and len(again) == 1
     item = ds[0]
     assert item["caption"][0] == 0 and item["caption"][-1] == 2  # <s> ... </s>
     assert task.tokenizer.decode(item["caption"][1:-1].tolist()) == "Mayor Jane Doe cuts the ribbon in Albany on Monday."
@@ -89,24 +100,54 @@ def test_feature_cache_and_collate(tmp_path, fake_encoders):
 
 
 def test_on_the_fly_encoding_without_a_cache(tmp_path):
-    class Fake(Featurizer):
-        def images(self, pils):
-            return _Img().encode(pils)[0]
-
-        def faces(self, pil):
-            return _Faces().detect_and_embed(pil)
-
-        def context_text(self, sample, mode):
-            return "a b c"
-
-        def articles(self, texts):
-            return [{"hidden": torch.zeros(3, 3, 24), "ids": torch.arange(3), "tokens": ["a", "b", "c"]} for _ in texts]
-
     r = recipe(tmp_path)
     del r["data"]["features"]
-    task = CaptioningTask(r, featurizer=Fake(None, ()))
-    item = task.build_dataset("val")[0]
-    assert item["image"].shape == (5, 16) and item["article"].shape == (3, 3, 24) and item["id"] == "7d8e9f_0"
+    task = CaptioningTask(r, bundle=FakeBundle(None, ("image", "article", "faces"), context_mode="first_tokens"))
+    ds = task.build_dataset("val")
+    item = ds[0]
+    from tellkit.tasks.captioning import sample_input
+
+    words = len(task.bundle.context_text(sample_input(ds.samples[0], "first_tokens")).split())
+    assert item["image"].shape == (5, 16) and item["article"].shape[:2] == (3, words) and item["id"] == "7d8e9f_0"
+    assert words > 3 and item["article_ids"].shape == (words,)
+    assert item["faces"].shape == (1, 512) and set(item) == {"id", "image_id", "references", "caption", "image",
+                                                             "faces", "article", "article_ids"}
+
+
+def test_cached_and_fresh_items_are_the_same(tmp_path, fake_encoders):
+    """The feature cache and on-the-fly encoding go through one routine: equal items (up to float16)."""
+    cached = CaptioningTask(recipe(tmp_path)).build_dataset("val")[0]
+    r = recipe(tmp_path)
+    del r["data"]["features"]
+    fresh = CaptioningTask(r, bundle=FakeBundle(None, ("image", "article", "faces"), context_mode="first_tokens"))
+    fresh = fresh.build_dataset("val")[0]
+    for k in ("image", "faces", "article"):
+        assert torch.allclose(cached[k], fresh[k], atol=1e-2), k
+    assert torch.equal(cached["article_ids"], fresh["article_ids"])
+
+
+def test_precomputed_faces_and_objects_enter_the_batch(tmp_path):
+    """A sample that ships face embeddings and object vectors (NYTimes800k) gives them to the
+    batch as they are (faces cut to max_faces); no detector runs. Without objects the set is empty."""
+    from tellkit.data.sample import CaptionSample
+    from tellkit.tasks.captioning import sample_input
+
+    class NoDetector(FakeBundle):
+        face_encoder = property(lambda self: pytest.fail("the face detector ran"))
+
+    faces = np.arange(6 * 512, dtype=np.float32).reshape(6, 512)
+    objects = np.ones((3, 2048), dtype=np.float32)
+    img = str(FIX / "goodnews" / "images" / "5a1b2c_0.jpg")
+    with_sets = CaptionSample("a", "x", img, "a", extra={"faces": faces.tolist(), "objects": objects})
+    bare = CaptionSample("b", "x", img, "b")
+    bundle = NoDetector(None, ("image", "faces", "objects"), context_mode="none")
+    items = bundle.encode([sample_input(with_sets, "none")])
+    assert torch.equal(items[0]["faces"], torch.from_numpy(faces[:4])) and items[0]["objects"].shape == (3, 2048)
+    items += FakeBundle(None, ("image", "faces", "objects")).encode([sample_input(bare, "none")], details=True)
+    assert items[1]["objects"].shape == (0, 2048) and items[1]["objects_source"] == "none"
+    b = collate_captions(items, ("image", "faces", "objects"))
+    assert b["objects"].shape == (2, 3, 2048) and b["objects_mask"].tolist() == [[True] * 3, [False] * 3]
+    assert b["faces_mask"].tolist() == [[True] * 4, [True, False, False, False]]
 
 
 def test_train_then_evaluate_through_the_cli(tmp_path, fake_encoders):

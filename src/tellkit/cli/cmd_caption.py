@@ -1,9 +1,13 @@
 """`tellkit caption --image IMG [--article TXT] [--checkpoint DIR] [--json]`: caption one image.
 
 Without ``--checkpoint`` the packaged default model is used; any captioning checkpoint works
-(Transform and Tell, Show and Tell, Show-Attend-and-Tell, the LSTM captioner). ``--json`` prints the caption with
-the detected faces and, for every generated token, its attention (mean over heads and layers)
-over the image grid cells, the article tokens and the faces. Bad input (missing, corrupt or
+(Transform and Tell, Show and Tell, Show-Attend-and-Tell, the LSTM captioner); it runs through
+:class:`tellkit.pipelines.captioning.CaptioningPipeline`. Decoding follows the checkpoint's
+generation settings (its recipe's ``eval:`` section) unless ``--beam-size`` / ``--max-len`` say
+otherwise. ``--json`` prints the caption with the detected faces and, for every generated token,
+its attention (mean over heads and layers) over the image grid cells, the article tokens and the
+faces (and, for models that read objects, how many object vectors there were: none for a new
+image, as no object detector ships). Bad input (missing, corrupt or
 truncated image, a directory, a huge image, an empty or non-UTF-8 article) is a one-line error
 with exit status 2.
 """
@@ -18,8 +22,9 @@ def add_arguments(p) -> None:
     p.add_argument("--article", help="a UTF-8 text file with the article (title and paragraphs)")
     p.add_argument("--checkpoint", help="checkpoint or run folder (default: the packaged default model)")
     p.add_argument("--json", action="store_true", help="print JSON: caption, faces, per-token attention")
-    p.add_argument("--beam-size", type=int, default=1, help="1 = greedy (the reference's decoding)")
-    p.add_argument("--max-len", type=int, default=None, help="most caption tokens (default: the model's)")
+    p.add_argument("--beam-size", type=int, default=None,
+                   help="beam width, 1 = greedy (default: the checkpoint's eval.beam_size)")
+    p.add_argument("--max-len", type=int, default=None, help="most caption tokens (default: the checkpoint's)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
@@ -63,16 +68,16 @@ def run(args) -> int:
     from tellkit.encoders.preprocess import load_image
     from tellkit.errors import TellkitError
 
-    if args.beam_size < 1 or (args.max_len is not None and args.max_len < 1):
+    if (args.beam_size is not None and args.beam_size < 1) or (args.max_len is not None and args.max_len < 1):
         raise TellkitError("--beam-size and --max-len must be at least 1")
     # check every input before the (slow) model and encoders load
     image = load_image(args.image)
     article = read_article(args.article) if args.article else ""
     checkpoint = resolve_default(args.checkpoint)
 
-    from tellkit.server.backends import ImageCaptioner
+    from tellkit.pipelines.captioning import CaptioningPipeline
 
-    captioner = ImageCaptioner.load(checkpoint, device=args.device, beam_size=args.beam_size, max_len=args.max_len)
+    captioner = CaptioningPipeline.load(checkpoint, device=args.device, beam_size=args.beam_size, max_len=args.max_len)
     result = captioner.caption([(image, article)])[0]
     if args.json:
         print(json.dumps({"image": args.image, "article": args.article, "checkpoint": checkpoint,

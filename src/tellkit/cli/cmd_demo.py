@@ -1,7 +1,7 @@
 """`tellkit demo` (what `make demo` runs): caption the packaged sample inputs with the default
 captioning model, then read the packaged handwritten-math sample with the default BTTR model.
-The samples (``tellkit/assets/demo_caption``, see its SOURCES.md; the math sample is drawn by
-``tellkit.bench.bttr.draw_sample``) are free to redistribute; each image is captioned with its
+The samples (``tellkit/assets/demo_caption``, see its SOURCES.md; the math sample is
+``tellkit.pipelines.recognition.SAMPLE_PATH``, drawn from hand-made pen strokes) are free to redistribute; each image is captioned with its
 article when it has one (``<name>.txt``). Until a default captioning model is installed, an
 untrained tiny model runs instead, and says so."""
 from __future__ import annotations
@@ -22,13 +22,13 @@ def run(args) -> int:
     from pathlib import Path
 
     from tellkit.encoders.preprocess import load_image
-    from tellkit.server.backends import ImageCaptioner
+    from tellkit.pipelines.captioning import CaptioningPipeline
     from tellkit.tasks.captioning import DEFAULT_CHECKPOINT
 
     samples = Path(__file__).resolve().parents[1] / "assets" / "demo_caption"
     checkpoint = args.checkpoint or (str(DEFAULT_CHECKPOINT) if (DEFAULT_CHECKPOINT / "model.safetensors").is_file() else None)
     if checkpoint:
-        captioner = ImageCaptioner.load(checkpoint, device=args.device)
+        captioner = CaptioningPipeline.load(checkpoint, device=args.device)
         print(f"tellkit demo: captioning with {checkpoint}")
         if not args.checkpoint:
             print_model_title(DEFAULT_CHECKPOINT)
@@ -36,8 +36,8 @@ def run(args) -> int:
         print("tellkit demo: NO TRAINED DEFAULT CAPTIONING MODEL IS INSTALLED. Running an UNTRAINED tiny "
               "Transform and Tell (random weights) over the real offline encoders to show the pipeline: "
               "its captions are noise. Pass --checkpoint DIR to use a trained model.")
-        captioner = ImageCaptioner.untrained()
-    reads_articles = "article" in captioner.contexts
+        captioner = CaptioningPipeline.untrained()
+    reads_articles = captioner.reads_articles
     if not reads_articles:
         print("(this model captions from the image alone: the sample articles are not used)")
     for img in sorted(samples.glob("*.jpg")):

@@ -23,13 +23,18 @@ def add_arguments(p) -> None:
     p.add_argument("--split", help="only this split (train / val / test) of --format data")
     p.add_argument("--image-root", help="the images' folder for --format data (default: the loader's own)")
     p.add_argument("--limit", type=int, help="only the first N images")
-    p.add_argument("--image-encoder", default="mobilenet_v2", help="mobilenet_v2 (offline default), resnet50/101/152")
+    p.add_argument("--image-encoder", help="mobilenet_v2 (offline default), resnet50/101/152")
     p.add_argument("--image-weights", help="torchvision-layout state dict for the image encoder")
     p.add_argument("--no-faces", action="store_true", help="skip face detection and embedding")
     p.add_argument("--facenet-weights", help="facenet-pytorch-layout FaceNet file (e.g. VGGFace2); default: packaged CASIA-WebFace")
+    p.add_argument("--max-faces", type=int, help="most faces kept per image, largest first (default: 4)")
     p.add_argument("--article", action="store_true", help="also store article hidden states (all layers; large)")
     p.add_argument("--article-encoder", help="Hugging Face name or folder (default: packaged all-MiniLM-L6-v2), or static word "
                    "vectors: static (MiniLM input embeddings), static:NAME, glove:PATH")
+    p.add_argument("--max-article-tokens", type=int, default=512,
+                   help="the article encoder's token budget, special tokens included (default: 512)")
+    p.add_argument("--objects", action="store_true",
+                   help="also store the object vectors the data set ships (NYTimes800k); no detector runs")
     p.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"), help="storage dtype")
     p.add_argument("--shard-size", type=int, default=256, help="images per shard (the unit of resumption)")
     p.add_argument("--batch-size", type=int, default=16)
@@ -45,7 +50,8 @@ def run(args) -> int:
     import sys
     from pathlib import Path
 
-    from tellkit.encoders.features import FeatureConfig, extract_features, items_from_dataset, items_from_images
+    from tellkit.encoders.bundle import EncodersConfig
+    from tellkit.encoders.features import FeatureConfig, extract_features, items_from_images
     from tellkit.errors import TellkitError
 
     if args.format and not args.root:
@@ -66,14 +72,20 @@ def run(args) -> int:
         if args.limit:
             items = items[: args.limit]
     else:
-        items = items_from_dataset(args.format, args.root, args.split, args.limit, args.image_root)
+        from tellkit.tasks.captioning import dataset_inputs
+
+        items = dataset_inputs(args.format, args.root, args.split, args.limit, args.image_root)
     if args.article and args.images:
         print("note: --images gives no article text; article features will be empty", file=sys.stderr)
+    if args.objects and args.images:
+        print("note: --images gives no object vectors (no detector ships); objects will be empty", file=sys.stderr)
+    given = {"image": args.image_encoder, "image_weights": args.image_weights, "article": args.article_encoder,
+             "face_weights": args.facenet_weights, "max_faces": args.max_faces}
+    encoders = EncodersConfig.from_recipe({k: v for k, v in given.items() if v is not None})
     cfg = FeatureConfig(
-        image_encoder=args.image_encoder, image_weights=args.image_weights, faces=not args.no_faces,
-        facenet_weights=args.facenet_weights, article=args.article, article_encoder=args.article_encoder,
-        dtype=args.dtype, shard_size=args.shard_size, batch_size=args.batch_size, max_pixels=args.max_pixels,
-        device=args.device,
+        encoders=encoders, faces=not args.no_faces, article=args.article, objects=args.objects,
+        max_article_tokens=args.max_article_tokens, dtype=args.dtype, shard_size=args.shard_size,
+        batch_size=args.batch_size, max_pixels=args.max_pixels, device=args.device,
     )
     summary = extract_features(items, args.out, cfg, overwrite=args.overwrite, progress=not args.no_progress,
                                log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -52,8 +52,8 @@ def add_arguments(p) -> None:
     p.add_argument("--progress", action="store_true", help="show progress bars")
 
 
-# Encoder outputs shared by the rows of one table run (process-wide): rows that encode the same
-# images / texts with the same encoders do it once. float16, like the task's disk cache.
+# Encoders and their outputs shared by the rows of one table run (process-wide): rows that encode
+# the same images / texts with the same encoders do it once. float16, like the task's disk cache.
 _MEMO: dict[tuple, object] = {}
 
 
@@ -66,55 +66,21 @@ def cacheable(recipe) -> bool:
 
 
 def _task(recipe):
-    """The recipe's task. A captioning task gets a featurizer that remembers encoder outputs
-    (and the static word-vector table of ``encoders.article: static | glove:PATH``) across rows,
-    in memory."""
-    import functools
-    import hashlib
-
-    from tellkit.encoders.static_vectors import is_static_spec
+    """The recipe's task. A captioning task gets an encoder bundle that shares the built encoders
+    and remembers image / article encodings across the rows of this run, in memory."""
     from tellkit.tasks import get_task
 
     cls = get_task(recipe["task"])
     if recipe["task"] != "captioning":
         return cls(recipe)
-    from tellkit.tasks.captioning import Featurizer, model_contexts
+    from tellkit.encoders.bundle import EncoderBundle
+    from tellkit.tasks.captioning import data_config, encoders_config, model_contexts
 
-    enc = dict(recipe.get("encoders") or {})
-    spec = enc.get("article")
-    max_art = (recipe.get("data") or {}).get("max_article_tokens", 512)
-
-    class MemoFeaturizer(Featurizer):
-        if is_static_spec(spec):  # one table per run, shared by the rows that read it
-            @functools.cached_property
-            def article_encoder(self):
-                key = ("static", spec)
-                if key not in _MEMO:
-                    _MEMO[key] = super().article_encoder
-                return _MEMO[key]
-
-        def images(self, pils):
-            import torch
-
-            keys = [("image", enc.get("image"), enc.get("image_weights"), p.size,
-                     hashlib.sha1(p.tobytes()).hexdigest()) for p in pils]
-            todo = [i for i, k in enumerate(keys) if k not in _MEMO]
-            if todo:
-                for i, f in zip(todo, super().images([pils[i] for i in todo])):
-                    _MEMO[keys[i]] = f.half()
-            return torch.stack([_MEMO[k].float() for k in keys])
-
-        def articles(self, texts):
-            keys = [("article", spec, max_art, t) for t in texts]
-            todo = [i for i, k in enumerate(keys) if k not in _MEMO]
-            if todo:
-                for i, a in zip(todo, super().articles([texts[i] for i in todo])):
-                    _MEMO[keys[i]] = {**a, "hidden": a["hidden"].half()}
-            return [{**_MEMO[k], "hidden": _MEMO[k]["hidden"].float()} for k in keys]
-
-    model = recipe.get("model") or {}
-    feat = MemoFeaturizer(enc, model_contexts(model), max_article_tokens=max_art)
-    return cls(recipe, featurizer=feat)
+    data = data_config(recipe)
+    bundle = EncoderBundle(encoders_config(recipe), model_contexts(recipe.get("model") or {}),
+                           max_article_tokens=data.max_article_tokens, context_mode=data.context,
+                           shared_encoders=_MEMO, memo=_MEMO)
+    return cls(recipe, bundle=bundle)
 
 
 def feature_key(recipe) -> str:

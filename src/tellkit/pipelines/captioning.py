@@ -1,0 +1,196 @@
+"""Image (+ article) -> caption with per-token attention: the captioning pipeline that
+``tellkit caption``, ``tellkit demo`` and the server (``/api/caption``) run.
+
+    cap = CaptioningPipeline.load("runs/tat")                    # or .untrained() for a tiny random model
+    [res] = cap.caption([(pil_image, "article text")])
+    res["caption"], res["tokens"][i]["attention"]["image"], res["faces"], res["article_tokens"]
+
+Any captioning checkpoint works (Transform and Tell, Show and Tell, Show-Attend-and-Tell, the LSTM
+captioner). The checkpoint's recipe sections name its encoders (``encoders:``), its article
+context (``data.context``, ``data.max_article_tokens``) and its generation settings (``eval:``,
+a :class:`~tellkit.generation.GenerationConfig`); inputs go through the same
+:class:`~tellkit.encoders.bundle.EncoderBundle` as in training. A result holds ``caption``,
+``tokens`` (each generated piece with its attention over ``image`` grid cells, ``article`` tokens,
+``faces`` and ``objects``), ``score``, ``image_size``, ``grid`` (rows, cols and the box of the
+original image the grid covers), ``faces`` (detected boxes), ``article_text`` (the context the
+model read), ``article_tokens`` (text and character span of every article token) and, for models
+that read objects, ``objects`` (how many, and where they came from: no object detector ships, so
+for a new image the set is empty and the result says so). ``info`` says which model it runs,
+from which checkpoint, and whether it was trained.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from tellkit.encoders.bundle import DEFAULT_ARTICLE_ENCODER, CaptionInput, EncoderBundle, EncodersConfig
+from tellkit.errors import TellkitError
+from tellkit.generation import GenerationConfig
+from tellkit.pipelines.base import checkpoint_info, finite_or_none
+
+# the captioning families a checkpoint may hold (same batches and ``generate`` API)
+CAPTION_FAMILIES = ("transform_and_tell", "show_tell", "show_attend_tell", "lstm_captioner")
+NO_OBJECT_DETECTOR = "no object detector ships offline: the objects context of a new image is empty"
+
+# encoders built once per process and shared by every pipeline that names the same ones
+_SHARED: dict = {}
+
+
+def article_input(text: str, image=None) -> CaptionInput:
+    """A pasted article as the bundle's input: paragraphs are the blocks between blank lines (or
+    the lines, when there are none); no title, no image position, so the model reads the
+    article from its start up to the encoder's token budget."""
+    text = (text or "").strip()
+    blocks = [b for b in re.split(r"\n\s*\n", text) if b.strip()]
+    if len(blocks) <= 1:
+        blocks = [b for b in text.splitlines() if b.strip()]
+    return CaptionInput("request", paragraphs=blocks, image=image)
+
+
+def article_sample(text: str):
+    """:func:`article_input` as a :class:`~tellkit.data.sample.CaptionSample` (id ``request``)."""
+    from tellkit.data.sample import CaptionSample
+
+    return CaptionSample(id="request", caption="", paragraphs=article_input(text).paragraphs)
+
+
+def crop_box(width: int, height: int, resize: int, crop: int) -> list[float]:
+    """The part of the original image that ImageNetTransform (resize short side, centre crop)
+    keeps, in original pixel coordinates [x0, y0, x1, y1]: the image grid covers this box."""
+    rw, rh = (resize, int(resize * height / width)) if width <= height else (int(resize * width / height), resize)
+    left, top = (rw - crop) / 2.0, (rh - crop) / 2.0
+    sx, sy = width / rw, height / rh
+    return [round(left * sx, 1), round(top * sy, 1), round((left + crop) * sx, 1), round((top + crop) * sy, 1)]
+
+
+def _bundle(encoders: EncodersConfig, contexts, max_article_tokens: int, context_mode: str, device) -> EncoderBundle:
+    return EncoderBundle(encoders, contexts, max_article_tokens=max_article_tokens, context_mode=context_mode,
+                         device=device, shared_encoders=_SHARED)
+
+
+class CaptioningPipeline:
+    """A captioning model, the encoder bundle it was trained with, its tokenizer and its
+    generation settings; see the module docstring."""
+
+    def __init__(self, model, bundle: EncoderBundle, tokenizer=None, info: dict[str, Any] | None = None,
+                 generation: GenerationConfig | None = None):
+        self.model = model.eval()
+        self.bundle = bundle
+        self.contexts = tuple(model.config.contexts)
+        missing = [c for c in self.contexts if c not in bundle.contexts]
+        if missing:
+            raise TellkitError(f"the encoder bundle does not give the model's context(s) {', '.join(missing)}")
+        bundle.check_model(model.config)
+        if tokenizer is None:
+            from tellkit.encoders.tokenizer import CaptionTokenizer
+
+            tokenizer = CaptionTokenizer.load(bundle.config.caption_tokenizer)
+        self.tokenizer = tokenizer
+        self.generation = generation or GenerationConfig()
+        self.info = {"name": getattr(model, "family", type(model).__name__), "contexts": list(self.contexts),
+                     "image_encoder": getattr(self.bundle.image_encoder, "name", None),
+                     "article_encoder": getattr(self.bundle.article_encoder, "name", None)
+                     if "article" in self.contexts else None,
+                     "parameters": sum(p.numel() for p in model.parameters()),
+                     **(info or {})}
+        if "objects" in self.contexts:
+            self.info["objects"] = NO_OBJECT_DETECTOR
+
+    @property
+    def reads_articles(self) -> bool:
+        return self.bundle.reads_articles
+
+    @classmethod
+    def load(cls, checkpoint: str | Path, device: str = "cpu", *, max_len: int | None = None,
+             beam_size: int | None = None, length_penalty: float | None = None) -> CaptioningPipeline:
+        """A checkpoint (or run folder) written by ``tellkit train``; generation settings given
+        here override the checkpoint's ``eval:`` ones (None keeps them)."""
+        from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
+        from tellkit.tasks.captioning import data_config, encoders_config, eval_config
+
+        path = resolve_checkpoint(checkpoint, follow_links=False)
+        meta = read_checkpoint_config(path)
+        if meta.get("family") not in CAPTION_FAMILIES:
+            raise TellkitError(f"{path}: holds a '{meta.get('family')}' model, not a captioner "
+                               f"({', '.join(CAPTION_FAMILIES)})")
+        data, ev, encoders = data_config(meta), eval_config(meta), encoders_config(meta)
+        model = load_model(path, map_location=device).float()
+        contexts = tuple(model.config.contexts)
+        mode = data.context if "article" in contexts else "none"
+        gen = ev.generation.updated(max_len=max_len, beam_size=beam_size, length_penalty=length_penalty)
+        return cls(model, _bundle(encoders, contexts, data.max_article_tokens, mode, device),
+                   info=checkpoint_info(meta["family"], path, meta), generation=gen)
+
+    @classmethod
+    def untrained(cls, seed: int = 0, device: str = "cpu") -> CaptioningPipeline:
+        """A tiny randomly initialised Transform and Tell over the real offline encoders: the
+        page and the API work end to end, but the captions are noise (``info.trained`` is false)."""
+        import torch
+
+        from tellkit.registry import create_model
+
+        contexts = ("image", "article", "faces")
+        torch.manual_seed(seed)
+        model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512,
+                             contexts=list(contexts), max_len=12).eval().to(device)
+        encoders = EncodersConfig(article=DEFAULT_ARTICLE_ENCODER)
+        return cls(model, _bundle(encoders, contexts, 512, "location_aware", device),
+                   info={"family": "transform_and_tell", "checkpoint": None, "trained": False,
+                         "note": "tiny random model (tellkit serve --untrained): captions are noise"})
+
+    # -- inference ----------------------------------------------------------------------------
+    def caption(self, items: Sequence[tuple[Any, str]]) -> list[dict[str, Any]]:
+        """``[(PIL image, article text), ...]`` -> one result each (see the module docstring)."""
+        import torch
+
+        from tellkit.data.batch import collate_captions
+
+        inputs = [article_input(a if self.reads_articles else "", image=im) for im, a in items]
+        encoded = self.bundle.encode(inputs, details=True)
+        batch = collate_captions(encoded, self.contexts)
+        dev = next(self.model.parameters()).device
+        batch = {k: v.to(dev) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        with torch.no_grad():
+            out = self.model.generate(batch, return_attention=True, **self.generation.kwargs())
+        tf = self.bundle.image_encoder.preprocess
+        results = []
+        for b, (enc, toks) in enumerate(zip(encoded, out["tokens"])):
+            im = enc["pil"]
+            attn = out["attention"][b]
+            pieces = [{"id": int(t), "text": self.tokenizer.decode([t]),
+                       "attention": {k: [round(float(x), 5) for x in v] for k, v in attn[i].items()}}
+                      for i, t in enumerate(toks)]
+            n_cells = enc["image"].shape[0] if "image" in enc else 0
+            side = int(round(math.sqrt(n_cells)))
+            rows, cols = (side, side) if side * side == n_cells else (1, n_cells)
+            res = {
+                "caption": self.tokenizer.decode(toks).strip(),
+                "tokens": pieces,
+                "score": finite_or_none(out["scores"][b]),
+                "image_size": [im.width, im.height],
+                "grid": {"rows": rows, "cols": cols, "box": crop_box(im.width, im.height, tf.resize, tf.crop)},
+                "faces": _face_boxes(enc),
+                "article_text": enc.get("article_text", ""),  # the context the model read (cut to the budget)
+                "article_tokens": [{"text": tok, "start": s, "end": e}
+                                   for tok, (s, e) in zip(enc.get("article_tokens", []), enc.get("article_offsets", []))],
+            }
+            if "objects" in self.contexts:
+                source = enc.get("objects_source", "none")
+                res["objects"] = {"count": int(enc["objects"].shape[0]), "source": source,
+                                  **({"note": NO_OBJECT_DETECTOR} if source == "none" else {})}
+            results.append(res)
+        return results
+
+    __call__ = caption
+
+
+def _face_boxes(enc: dict[str, Any]) -> list[dict[str, Any]]:
+    if enc.get("face_boxes") is None:
+        return []
+    return [{"box": [round(float(v), 1) for v in box], "score": round(float(s), 4)}
+            for box, s in zip(enc["face_boxes"].tolist(), enc["face_probs"].tolist())]
+
+
+ImageCaptioner = CaptioningPipeline  # the name the server and older code use

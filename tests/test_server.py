@@ -253,11 +253,11 @@ def test_timeout_is_504_and_queue_full_is_503():
 # --- checkpoints: only the configured ones; trained or not is reported -----------------------------
 def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch):
     from tellkit.checkpoint import save_model
-    from tellkit.server import backends as B
+    from tellkit.pipelines import captioning as P
 
     cap, _ = backends
     save_model(cap.model, tmp_path / "tat", extra={"task": "captioning", "train": {"lr": 1e-3}})
-    monkeypatch.setattr(B, "_featurizer", lambda *a: cap.featurizer)  # reuse the loaded encoders
+    monkeypatch.setattr(P, "_bundle", lambda *a: cap.bundle)  # reuse the loaded encoders
     loaded = ImageCaptioner.load(tmp_path / "tat")
     assert loaded.info["trained"] is True and loaded.info["checkpoint"] == str(tmp_path / "tat")
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), cap.model.state_dict().values()))

@@ -1,4 +1,4 @@
-"""The Flickr8k subset in ``../shared/data/flickr8k``: ``captions.txt`` (CSV ``image,caption``,
+"""A Flickr8k folder (the full set or a subset): ``captions.txt`` (CSV ``image,caption``,
 5 per image) and ``images/<name>.jpg``.
 
 It has no official split, so :func:`split_images` makes a fixed, seeded one by image (all five

@@ -126,26 +126,26 @@ def test_location_aware_context_with_known_image_position():
     count = lambda text: len(text.split())  # one token per word: easy budgets
     paras = _article()
     # title (2) + 5 paragraphs of 10 = 52 words: title, p0, then p5 p6 p4 p7 around the image
-    ctx = build_context("The Title", paras, image_index=6, count_tokens=count, max_tokens=52)
+    ctx = build_context("The Title", paras, image_index=6, count_tokens=count, max_tokens=52, policy="cut")
     assert ctx.paragraphs == [0, 4, 5, 6, 7] and ctx.truncated  # p1-p3, p8, p9 left out
     assert ctx.text.split("\n") == ["The Title", paras[0], paras[4], paras[5], paras[6], paras[7]]
     assert ctx.n_tokens == 52
     # 5 tokens more: the next paragraph above (p3) is cut to 5 words and the walk stops
-    ctx = build_context("The Title", paras, image_index=6, count_tokens=count, max_tokens=57)
+    ctx = build_context("The Title", paras, image_index=6, count_tokens=count, max_tokens=57, policy="cut")
     assert ctx.paragraphs == [0, 3, 4, 5, 6, 7] and ctx.truncated
     assert ctx.text.split("\n")[2] == "p3w0 p3w1 p3w2 p3w3 p3w4" and ctx.n_tokens == 57
     # GoodNews: no image position, the beginning of the article
-    ctx = build_context("The Title", paras, None, count_tokens=count, max_tokens=32)
+    ctx = build_context("The Title", paras, None, count_tokens=count, max_tokens=32, policy="cut")
     assert ctx.paragraphs == [0, 1, 2] and ctx.n_tokens == 32
     # everything fits: nothing left out
-    ctx = build_context("The Title", paras, image_index=3, count_tokens=count, max_tokens=1000)
+    ctx = build_context("The Title", paras, image_index=3, count_tokens=count, max_tokens=1000, policy="cut")
     assert ctx.paragraphs == list(range(10)) and not ctx.truncated and ctx.n_tokens == 102
 
 
 def test_context_with_real_bpe_budget():
     cap = CaptionTokenizer.load()
     paras = [f"Paragraph {i} says that Senator Jane Doe visited Springfield on day {i}. " * 6 for i in range(40)]
-    ctx = build_context("Jane Doe Visits Springfield", paras, image_index=20)
+    ctx = build_context("Jane Doe Visits Springfield", paras, image_index=20, policy="cut")
     assert ctx.n_tokens == len(cap.encode(ctx.text)) <= 510
     assert ctx.n_tokens > 480  # the budget is filled
     assert ctx.paragraphs == [0, 17, 18, 19, 20, 21] and ctx.truncated  # 19, 20, 18, 21, then 17 is cut
@@ -165,5 +165,6 @@ def test_split_parsed_section():
     sections = [{"type": "paragraph", "text": "a"}, {"type": "caption", "text": "c1", "hash": "h1"},
                 {"type": "paragraph", "text": "b"}, {"type": "paragraph", "text": "c"},
                 {"type": "caption", "text": "c2", "hash": "h2"}, {"type": "paragraph", "text": "d"}]
-    assert split_parsed_section(sections, 1) == (["a", "b", "c", "d"], 1)
-    assert split_parsed_section(sections, 4) == (["a", "b", "c", "d"], 3)
+    # other captions are empty slots, the image's own caption is left out
+    assert split_parsed_section(sections, 1) == (["a", "b", "c", "", "d"], 1)
+    assert split_parsed_section(sections, 4) == (["a", "", "b", "c", "d"], 4)

@@ -2,31 +2,48 @@
 
     ctx = build_context(title, paragraphs, image_index=6, count_tokens=enc.count_tokens,
                         max_tokens=enc.max_tokens - enc.num_special)
-    ctx.text          # what to feed ArticleEncoder.encode
+    ctx.text          # what to feed ArticleEncoder.encode (which truncates to its budget)
     ctx.paragraphs    # indices of the paragraphs used, in document order
-    ctx.n_tokens      # count_tokens(ctx.text) <= max_tokens
+    ctx.n_tokens      # tokens of ctx.text the encoder keeps (<= max_tokens)
 
-- ``image_index=None`` (GoodNews): the title and then the paragraphs in order, up to the limit
-  (the first ~510 tokens of the article).
-- ``image_index=k`` (NYTimes800k, "location-aware"): the image sits after paragraph k-1, i.e.
-  ``paragraphs[:k]`` are above it. Take the title, the first paragraph, then paragraphs
-  alternately just above and just below the image (k-1, k, k-2, k+1, ...), moving outwards,
-  until the budget is spent. The chosen paragraphs are joined in document order.
-- The paragraph that no longer fits is cut at a word boundary to the tokens left, and building
-  stops there. ``count_tokens`` defaults to the caption tokenizer (RoBERTa BPE, as the paper's
-  "about 510 BPE tokens"); pass the article encoder's own counter when it is not RoBERTa.
+``paragraphs[:image_index]`` come before the image. An empty string in ``paragraphs`` is a slot
+that holds no text (NYTimes800k: another image's caption between paragraphs); it is never read
+but it takes a step of the walk, as the reference's walk over ``parsed_section`` does.
+
+Policy ``"reference"`` (default), the rules of the reference code:
+
+- ``image_index=k`` (NYTimes800k, "location-aware"): the title, then the first paragraph (not
+  counted toward the budget), then rounds of one step above the image (k-1, k-2, ...) and one
+  step below it (k, k+1, ...); a step on a paragraph takes it and adds its token count. The walk
+  stops after the round in which the count (title included) reaches ``max_tokens``, or when
+  both directions are exhausted. The text is ``"\n".join(title, first, above..., below...)``
+  in document order, stripped; the encoder then cuts it hard at ``max_tokens`` tokens, so the
+  paragraphs of the last round may be cut or dropped.
+- ``image_index=None`` (GoodNews): ``title + "\n\n" + article`` (the article's paragraphs joined
+  by blank lines), its first ``first_words`` space-separated words, cut at ``max_tokens`` by the
+  encoder.
+
+Policy ``"cut"`` (tellkit's earlier builder): the title, the first paragraph, then paragraphs
+alternately above and below the image (:func:`reading_order`) while they fit; the paragraph that
+no longer fits is cut at a word boundary and building stops; whitespace is normalised.
+
+``count_tokens`` defaults to the caption tokenizer (RoBERTa BPE, as the paper's "510 BPE
+tokens"); pass the article encoder's own counter when it is not RoBERTa. ``tokenize`` (optional)
+gives ``ctx.tokens``: the first ``max_tokens`` tokens of the text, what the encoder reads.
 
 ``split_parsed_section(parsed_section, image_position)`` turns a NYTimes800k ``parsed_section``
-(paragraphs and captions interleaved; ``image_positions`` index into it) into
-``(paragraphs, image_index)`` for :func:`build_context`.
+into ``(paragraphs, image_index)``: paragraph texts, other captions as empty slots, the image's
+own caption removed.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 DEFAULT_MAX_TOKENS = 510  # 512 minus <s> and </s>
 SEPARATOR = "\n"
+POLICIES = ("reference", "cut")
+GOODNEWS_FIRST_WORDS = 500
 
 
 @dataclass
@@ -35,6 +52,7 @@ class ArticleContext:
     paragraphs: list[int] = field(default_factory=list)  # indices into the input paragraphs
     n_tokens: int = 0
     truncated: bool = False  # True when part of the article was left out (cut or not reached)
+    tokens: list[Any] | None = None  # with ``tokenize``: the first max_tokens tokens of ``text``
 
 
 def _default_counter() -> Callable[[str], int]:
@@ -77,9 +95,70 @@ def reading_order(n_paragraphs: int, image_index: int | None) -> list[int]:
 
 def build_context(title: str, paragraphs: Sequence[str], image_index: int | None = None,
                   count_tokens: Callable[[str], int] | None = None,
-                  max_tokens: int = DEFAULT_MAX_TOKENS, sep: str = SEPARATOR) -> ArticleContext:
-    """Pick the paragraphs that fill ``max_tokens``; see the module docstring."""
+                  max_tokens: int = DEFAULT_MAX_TOKENS, sep: str = SEPARATOR, *, policy: str = "reference",
+                  first_words: int | None = GOODNEWS_FIRST_WORDS,
+                  tokenize: Callable[[str], Sequence[Any]] | None = None) -> ArticleContext:
+    """Pick the paragraphs the captioner reads; see the module docstring."""
+    if policy not in POLICIES:
+        raise ValueError(f"context policy must be one of {POLICIES}, got {policy!r}")
     count = count_tokens or _default_counter()
+    if policy == "reference":
+        ctx = _reference_context(title, paragraphs, image_index, count, max_tokens, first_words)
+    else:
+        ctx = _cut_context(title, paragraphs, image_index, count, max_tokens, sep)
+    if tokenize is not None:
+        ctx.tokens = list(tokenize(ctx.text))[:max_tokens]
+    return ctx
+
+
+def _reference_context(title: str, paragraphs: Sequence[str], image_index: int | None,
+                       count: Callable[[str], int], max_tokens: int, first_words: int | None) -> ArticleContext:
+    title = (title or "").strip()
+    paras = list(paragraphs)
+    if image_index is None:  # GoodNews: title + blank line + article, first words
+        article = "\n\n".join(paras).strip()
+        text = f"{title}\n\n{article}" if title else article
+        used = list(range(len(paras)))
+        words = text.split(" ")
+        cut_words = first_words is not None and len(words) > first_words
+        if cut_words:
+            text = " ".join(words[:first_words])
+            kept = len(text) - (len(title) + 2 if title else 0)  # characters of the article kept
+            used, pos = [], 0
+            for i, p in enumerate(paras):
+                if pos < kept and p.strip():
+                    used.append(i)
+                pos += len(p) + 2
+        text = text.strip()
+        n = count(text)
+        return ArticleContext(text, used, min(n, max_tokens), cut_words or n > max_tokens)
+    n_words = count(title) if title else 0
+    first = next((i for i, p in enumerate(paras) if p), None)
+    k = first if first is not None else len(paras)  # no paragraph: nothing above/below to take
+    before: list[int] = []
+    after: list[int] = []
+    i, j = int(image_index) - 1, int(image_index)
+    while True:
+        if i > k and paras[i]:
+            before.insert(0, i)
+            n_words += count(paras[i])
+        i -= 1
+        if k < j < len(paras) and paras[j]:
+            after.append(j)
+            n_words += count(paras[j])
+        j += 1
+        if n_words >= max_tokens or (i <= k and j >= len(paras)):
+            break
+    order = ([first] if first is not None else []) + before + after
+    text = "\n".join(([title] if title else []) + [paras[x] for x in order]).strip()
+    n = count(text)
+    taken = set(order)
+    left_out = any(p for x, p in enumerate(paras) if p and x not in taken)
+    return ArticleContext(text, sorted(order), min(n, max_tokens), left_out or n > max_tokens)
+
+
+def _cut_context(title: str, paragraphs: Sequence[str], image_index: int | None,
+                 count: Callable[[str], int], max_tokens: int, sep: str) -> ArticleContext:
     sep_cost = count(sep) if sep.strip() else 0
     paras = [" ".join(p.split()) for p in paragraphs]  # one line each; no stray whitespace
     title = " ".join((title or "").split())
@@ -123,13 +202,15 @@ def build_context(title: str, paragraphs: Sequence[str], image_index: int | None
 
 
 def split_parsed_section(parsed_section: Sequence[Mapping], image_position: int) -> tuple[list[str], int]:
-    """NYTimes800k ``parsed_section`` + one of its ``image_positions`` -> (paragraph texts,
-    number of paragraphs above the image)."""
-    paragraphs: list[str] = []
+    """NYTimes800k ``parsed_section`` + one of its ``image_positions`` -> (texts, image index):
+    paragraph texts as they are stored, every other section (other images' captions) as an
+    empty slot, the image's own caption section left out; ``texts[:index]`` are above the image.
+    The slots keep the reference's walk, which steps over sections, exact."""
+    texts: list[str] = []
     image_index = None
     for pos, sec in enumerate(parsed_section):
         if pos == image_position:
-            image_index = len(paragraphs)
-        if sec.get("type") == "paragraph":
-            paragraphs.append(sec.get("text", ""))
-    return paragraphs, (len(paragraphs) if image_index is None else image_index)
+            image_index = len(texts)
+            continue
+        texts.append((sec.get("text") or "") if sec.get("type") == "paragraph" else "")
+    return texts, (len(texts) if image_index is None else image_index)

@@ -153,7 +153,7 @@ class DecoderBlock(nn.Module):
         self.final_norm = nn.LayerNorm(d)
 
     def project_contexts(self, contexts: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, ProjectedKV]:
-        return {name: attn.project_kv(*contexts[name][:1], key_padding_mask=contexts[name][1])
+        return {name: attn.project_kv(contexts[name][0], key_padding_mask=~contexts[name][1])
                 for name, attn in self.context_attn.items()}
 
     def forward(self, x: torch.Tensor, kvs: dict[str, ProjectedKV], state: dict | None = None,
@@ -194,7 +194,7 @@ class CopyHead(nn.Module):
 
 @dataclass
 class Contexts:
-    feats: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (features [B,S,C], pad mask [B,S])
+    feats: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (features [B,S,C], valid [B,S], True = real)
     article_ids: torch.Tensor | None = None  # [B, L] caption ids of article tokens (-1: none)
     layer_kvs: list[dict[str, ProjectedKV]] = field(default_factory=list)
     copy_kv: ProjectedKV | None = None
@@ -226,7 +226,8 @@ class TransformAndTell(nn.Module, PretrainedMixin):
 
     # -- contexts ---------------------------------------------------------------------------
     def encode_contexts(self, batch: dict[str, Any]) -> Contexts:
-        """Validate the batch's context tensors, mix article layers, build padding masks."""
+        """Validate the batch's context tensors (``tellkit.data.batch.CaptionBatch``), mix article
+        layers; masks stay True = a real entry until the attention call."""
         cfg = self.config
         feats = {}
         B = None
@@ -249,7 +250,7 @@ class TransformAndTell(nn.Module, PretrainedMixin):
             valid = torch.ones(x.shape[:2], dtype=torch.bool, device=x.device) if valid is None else valid.bool()
             if valid.shape != x.shape[:2]:
                 raise TellkitError(f"{name}_mask has shape {tuple(valid.shape)}, expected {tuple(x.shape[:2])}")
-            feats[name] = (x, ~valid)
+            feats[name] = (x, valid)
         ctx = Contexts(feats)
         if self.copy_head is not None:
             ids = batch.get("article_ids")
@@ -262,8 +263,8 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         """Compute every layer's context keys/values once per input (not once per step)."""
         ctx.layer_kvs = [layer.project_contexts(ctx.feats) for layer in self.layers]
         if self.copy_head is not None:
-            art, pad = ctx.feats["article"]
-            uncopyable = pad | (ctx.article_ids < 0)
+            art, valid = ctx.feats["article"]
+            uncopyable = ~valid | (ctx.article_ids < 0)
             ctx.copy_kv = self.copy_head.attn.project_kv(art, key_padding_mask=uncopyable)
         return ctx
 
@@ -365,7 +366,7 @@ class TransformAndTell(nn.Module, PretrainedMixin):
                 entry = {}
                 for name in cfg.contexts:
                     w = torch.stack([layer[name][0, t] for layer in attn]).mean(0)
-                    valid = ~sub.feats[name][1][0]
+                    valid = sub.feats[name][1][0]
                     entry[name] = w[valid].tolist()
                 per_token.append(entry)
             result.append(per_token)

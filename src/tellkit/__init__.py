@@ -6,7 +6,7 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from tellkit._version import __version__
 
 __all__ = ["__version__", "create_model", "load_model", "list_models", "TellkitError"]
 

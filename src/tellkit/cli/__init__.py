@@ -16,7 +16,7 @@ import importlib
 import pkgutil
 import sys
 
-from tellkit import __version__
+from tellkit._version import __version__
 from tellkit.errors import TellkitError
 
 

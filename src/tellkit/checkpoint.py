@@ -1,20 +1,32 @@
 """Model checkpoints: ``config.json`` + ``model.safetensors``; never pickle.
 
-Loading reads JSON and safetensors only, so an untrusted checkpoint cannot execute code.
+Loading reads JSON and safetensors only, so an untrusted checkpoint cannot execute code, and it
+checks what it reads before trusting it: ``config.json`` is at most ``MAX_CONFIG_BYTES`` and
+``MAX_JSON_DEPTH`` levels deep, ``family`` is a name and ``config`` a mapping, no count of
+repeated blocks (``*layers``, ``*blocks``, ``*depth``, ``*heads``) exceeds ``MAX_REPEATS``, and
+the model is first built on the meta device (no memory) so that its parameter bytes are known
+before anything is allocated: past ``max_model_bytes()`` (8 GiB unless ``TELLKIT_MAX_MODEL_BYTES``
+says otherwise) the checkpoint is refused. Weights must have the model's names, shapes and kind
+of dtype (no integer tensor for a float parameter) and be finite.
+
 Tied weights (e.g. adaptive input / adaptive softmax) are stored once and re-tied on load.
-Files are written to temporaries and renamed, so a crash never leaves a half-written file
-under the final name.
+Files are written to temporaries, fsynced and renamed, so a crash never leaves a half-written
+file under the final name.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
+import re
+import signal
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from tellkit._version import __version__
 from tellkit.config import from_dict, to_dict
 from tellkit.errors import TellkitError
 
@@ -22,11 +34,51 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 
+MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few KB; 4 MiB leaves room for a large HF config
+MAX_JSON_DEPTH = 32
+MAX_REPEATS = 1024  # layers / blocks / heads: each builds modules, so a huge count is refused early
+DEFAULT_MAX_MODEL_BYTES = 8 << 30
+_REPEAT_KEY = re.compile(r"(layers|blocks|depth|heads|nhead)$")
+
+
+def max_model_bytes() -> int:
+    """The parameter + buffer bytes above which a checkpoint is refused before it is built."""
+    raw = os.environ.get("TELLKIT_MAX_MODEL_BYTES")
+    if not raw:
+        return DEFAULT_MAX_MODEL_BYTES
+    try:
+        return int(float(raw))
+    except ValueError as exc:
+        raise TellkitError(f"TELLKIT_MAX_MODEL_BYTES must be a number of bytes, got {raw!r}") from exc
+
+
+# --- fault injection (tests kill a real process at a named phase of a save) ------------------
+FAULT_ENV = "TELLKIT_FAULT"  # "<save number>:<phase>", e.g. "3:renamed" or "2:write:model.safetensors"
+_save_number = 0
+
+
+def begin_save() -> None:
+    """Count saves (checkpoint phases are named per save in ``TELLKIT_FAULT``)."""
+    global _save_number
+    _save_number += 1
+
+
+def fault_point(phase: str) -> None:
+    """SIGKILL this process when ``TELLKIT_FAULT`` names this phase of the current save."""
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec == f"{_save_number}:{phase}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
-        f.write(data)
+        half = len(data) // 2
+        f.write(data[:half])
+        f.flush()
+        fault_point(f"write:{path.name}")  # a kill here leaves half a file under the temporary name
+        f.write(data[half:])
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -34,6 +86,30 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def device_of(spec: str | torch.device | None) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` (or ``mps``) as a usable device, else a one-line error."""
+    if isinstance(spec, torch.device):
+        dev = spec
+    else:
+        if spec is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            dev = torch.device(str(spec))
+        except (RuntimeError, ValueError) as exc:
+            raise TellkitError(f"unknown device {spec!r} (use cpu, cuda or cuda:N)") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TellkitError(f"device {spec!s}: no CUDA GPU is available here (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise TellkitError(f"device {spec!s}: only {torch.cuda.device_count()} CUDA GPU(s) here")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise TellkitError(f"device {spec!s}: MPS is not available here")
+    elif dev.type not in ("cpu", "meta"):
+        raise TellkitError(f"unsupported device {spec!s} (use cpu, cuda or cuda:N)")
+    return dev
 
 
 def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -65,8 +141,6 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
         "family": getattr(model, "family"),
         "config": to_dict(model.config),
     }
-    from tellkit import __version__
-
     meta["tellkit_version"] = __version__
     if extra:
         meta.update(extra)
@@ -79,6 +153,43 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
     return d
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _json_depth(obj: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        depth = max(depth, d)
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o)
+    return depth
+
+
+def read_json_file(path: Path, what: str = "JSON", max_bytes: int = MAX_CONFIG_BYTES) -> Any:
+    """Parse a small JSON file from an untrusted folder: size and depth capped, one-line errors."""
+    try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise TellkitError(f"{path}: {size} bytes, more than the {max_bytes} a {what} may have")
+        text = path.read_bytes().decode("utf-8")
+        obj = json.loads(text)
+    except TellkitError:
+        raise
+    except FileNotFoundError as exc:
+        raise TellkitError(f"{path}: missing") from exc
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise TellkitError(f"{path}: unreadable {what} ({_first_line(exc)})") from exc
+    if _json_depth(obj) > MAX_JSON_DEPTH:
+        raise TellkitError(f"{path}: {what} nested more than {MAX_JSON_DEPTH} levels deep")
+    return obj
+
+
 def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
     d = Path(directory)
     if not d.exists():
@@ -88,13 +199,66 @@ def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
     cfg_path = d / CONFIG_NAME
     if not cfg_path.is_file() or not (d / WEIGHTS_NAME).is_file():
         raise TellkitError(f"{d}: not a tellkit checkpoint (needs {CONFIG_NAME} and {WEIGHTS_NAME})")
-    try:
-        meta = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise TellkitError(f"{cfg_path}: unreadable config ({exc})") from exc
+    meta = read_json_file(cfg_path, "checkpoint config")
     if not isinstance(meta, dict) or "family" not in meta or "config" not in meta:
         raise TellkitError(f"{cfg_path}: missing 'family' or 'config'")
+    if not isinstance(meta["family"], str) or not meta["family"]:
+        raise TellkitError(f"{cfg_path}: 'family' must be a model family name, got a {type(meta['family']).__name__}")
+    if not isinstance(meta["config"], dict):
+        raise TellkitError(f"{cfg_path}: 'config' must be a mapping, got a {type(meta['config']).__name__}")
     return meta
+
+
+def check_config_values(config: Any, where: str) -> None:
+    """Before anything is built from an untrusted model config: no integer too large for any
+    tensor, and no count of repeated blocks (a ``*layers`` / ``*blocks`` / ``*depth`` /
+    ``*heads`` number, at any nesting level) above ``MAX_REPEATS``. Negative or inconsistent
+    sizes are caught by the meta-device build that follows."""
+    stack: list[tuple[str, Any, bool]] = [("", config, False)]
+    while stack:
+        key, v, in_list = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((str(k), x, False) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((key, x, True) for x in v)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            if abs(v) > 2**40:
+                raise TellkitError(f"{where}: {key} = {v} is out of range")
+            if not in_list and _REPEAT_KEY.search(key) and v > MAX_REPEATS:
+                raise TellkitError(f"{where}: {key} = {v}, more than the {MAX_REPEATS} repeated blocks tellkit builds")
+
+
+def estimate_model_bytes(entry, cfg) -> int:
+    """Parameter + buffer bytes of the model ``cfg`` describes, built on the meta device."""
+    with torch.device("meta"):
+        m = entry.model_cls(copy.deepcopy(cfg))
+    seen: set[int] = set()
+    total = 0
+    for t in list(m.parameters()) + list(m.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Names, shapes, dtype kinds and finiteness of ``state`` against ``model`` (tied names that
+    were stored once are fine). One-line :class:`TellkitError` on the first problem."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    tied_ok = {k for k in missing if _is_tied_alias(model, k, state)}
+    really_missing = [k for k in missing if k not in tied_ok]
+    unexpected = [k for k in state if k not in own]
+    if really_missing or unexpected:
+        raise TellkitError(f"{where}: weights do not match the config (missing {really_missing[:5]}, unexpected {unexpected[:5]})")
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(own[k].shape):
+            raise TellkitError(f"{where}: tensor {k} has shape {tuple(v.shape)}, config expects {tuple(own[k].shape)}")
+        if v.is_floating_point() != own[k].is_floating_point() or (v.dtype == torch.bool) != (own[k].dtype == torch.bool):
+            raise TellkitError(f"{where}: tensor {k} is {str(v.dtype).replace('torch.', '')}, "
+                               f"the model holds {str(own[k].dtype).replace('torch.', '')}")
+        if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
+            raise TellkitError(f"{where}: tensor {k} holds NaN or infinite values (a diverged or damaged checkpoint)")
 
 
 def resolve_checkpoint(path: str | os.PathLike, follow_links: bool = True) -> Path:
@@ -133,38 +297,40 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
 
 
 def load_model(directory: str | os.PathLike, map_location: str | torch.device = "cpu", expect: type | None = None):
-    """Rebuild a model from ``directory`` (JSON config + safetensors weights)."""
+    """Rebuild a model from ``directory`` (JSON config + safetensors weights), checking the
+    config and its size before allocating and the weights before using them."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from tellkit.registry import get_entry
 
+    device = device_of(map_location)
     d = Path(directory)
     meta = read_checkpoint_config(d)
+    where = str(d / CONFIG_NAME)
     entry = get_entry(meta["family"])
     if expect is not None and not issubclass(entry.model_cls, expect):
         raise TellkitError(f"{d}: holds a '{meta['family']}' model, not {expect.__name__}")
-    cfg = from_dict(entry.config_cls, meta["config"], f"{d / CONFIG_NAME}")
+    check_config_values(meta["config"], where)
+    cfg = from_dict(entry.config_cls, meta["config"], where)
+    try:
+        size = estimate_model_bytes(entry, cfg)
+    except TellkitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an untrusted config: any failure to build is a bad config
+        raise TellkitError(f"{where}: the model config does not build ({_first_line(exc)})") from exc
+    limit = max_model_bytes()
+    if size > limit:
+        raise TellkitError(f"{where}: the model would take {size / 2**30:.1f} GiB, more than the "
+                           f"{limit / 2**30:.1f} GiB limit (TELLKIT_MAX_MODEL_BYTES)")
     model = entry.model_cls(cfg)
     try:
-        state = load_file(str(d / WEIGHTS_NAME), device=str(map_location))
-    except (SafetensorError, OSError) as exc:
-        raise TellkitError(f"{d / WEIGHTS_NAME}: corrupt or unreadable weights ({exc})") from exc
-    own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    # names dropped at save time because they shared storage with another tensor
-    tied_ok = {k for k in missing if _is_tied_alias(model, k, state)}
-    really_missing = [k for k in missing if k not in tied_ok]
-    unexpected = [k for k in state if k not in own]
-    if really_missing or unexpected:
-        raise TellkitError(
-            f"{d}: weights do not match the config (missing {really_missing[:5]}, unexpected {unexpected[:5]})"
-        )
-    for k, v in state.items():
-        if tuple(v.shape) != tuple(own[k].shape):
-            raise TellkitError(f"{d}: tensor {k} has shape {tuple(v.shape)}, config expects {tuple(own[k].shape)}")
+        state = load_file(str(d / WEIGHTS_NAME), device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise TellkitError(f"{d / WEIGHTS_NAME}: corrupt or unreadable weights ({_first_line(exc)})") from exc
+    check_state_dict(model, state, str(d))
     model.load_state_dict(state, strict=False)
-    model.to(map_location)
+    model.to(device)
     model.checkpoint_meta = meta
     return model
 

@@ -43,20 +43,41 @@ def resolve_config_path(name: str | os.PathLike) -> Path:
     raise TellkitError(f"config not found: {name}")
 
 
-def load_yaml(path: str | os.PathLike) -> dict[str, Any]:
+# The top-level sections a run recipe may have (``base:`` is resolved while loading). A new
+# section is added here, so that a misspelt one (``trian:``) is refused instead of ignored.
+RECIPE_SECTIONS = ("task", "model", "data", "train", "eval", "encoders", "row")
+
+
+def check_recipe_sections(recipe: Mapping[str, Any], where: str = "recipe") -> None:
+    unknown = sorted(str(k) for k in recipe if k not in RECIPE_SECTIONS)
+    if unknown:
+        raise TellkitError(f"{where}: unknown top-level section(s) {', '.join(unknown)}; "
+                           f"known: {', '.join(RECIPE_SECTIONS)}")
+
+
+def load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     path = resolve_config_path(path)
+    here = path.resolve()
+    if here in _chain:
+        cycle = " -> ".join(p.name for p in (*_chain[_chain.index(here):], here))
+        raise TellkitError(f"{path}: 'base:' chain loops ({cycle})")
     try:
         with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
     except yaml.YAMLError as exc:
-        raise TellkitError(f"{path}: not valid YAML ({exc})") from exc
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TellkitError(f"{path}: not valid YAML ({first})") from exc
+    except RecursionError as exc:
+        raise TellkitError(f"{path}: nested too deeply") from exc
     except UnicodeDecodeError as exc:
         raise TellkitError(f"{path}: not UTF-8 text") from exc
     if not isinstance(data, dict):
         raise TellkitError(f"{path}: expected a mapping at the top level")
     base = data.pop("base", None)  # simple inheritance: `base: other.yaml`
     if base is not None:
-        parent = load_yaml(Path(path).parent / base if not Path(base).is_absolute() else base)
+        if not isinstance(base, str):
+            raise TellkitError(f"{path}: 'base:' must be a file name, got a {type(base).__name__}")
+        parent = load_yaml(Path(path).parent / base if not Path(base).is_absolute() else base, (*_chain, here))
         data = deep_merge(parent, data)
     return data
 

@@ -60,6 +60,8 @@ def _import_all() -> None:
 
 
 def get_entry(name: str) -> ModelEntry:
+    if not isinstance(name, str):
+        raise TellkitError(f"a model family is a name, got a {type(name).__name__}")
     if name not in _MODELS:
         _import_all()
     if name not in _MODELS:

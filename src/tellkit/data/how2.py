@@ -1,6 +1,6 @@
 """How2 summarization data (Sanabria et al. 2018): transcript + video features -> summary.
 
-Two on-disk layouts are read (both appear in ``../shared/data/how2``):
+Two on-disk layouts are read:
 
 - official / MFN layout: ``<folder>/text/<part>/`` with ``*_tran_text.txt`` (transcripts),
   ``*_desc_text.txt`` (summaries) and ``*_action.txt`` (one ``.npy`` path per line, e.g.

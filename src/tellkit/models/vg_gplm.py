@@ -3,19 +3,28 @@ abstractive summarization (Yu, Dai, Liu, Fung, EMNLP 2021).
 
 A Hugging Face BART or T5 (``backbone``: hub name or local folder) is kept intact; text-vision
 fusion sub-layers (``tellkit.layers.fusion``: dot-product, its projected-video variant, or
-multi-head; optional forget gate; residual + LayerNorm) are inserted after chosen encoder (and
-optionally decoder) layers through PyTorch forward hooks on the backbone's public layer lists
-(``get_encoder().layers`` / ``.block``), so no HF source is copied or edited. Video features
-[B, M, 2048] may first pass an optional visual transformer encoder (VTF: 4 layers, 8 heads,
-FFN 2048, sinusoidal positions; ~100.7M parameters at d = 2048).
+multi-head; optional forget gate; residual + LayerNorm) are inserted through PyTorch forward
+hooks on the backbone's public modules, so no HF source is copied or edited. Video features
+[B, M, 2048] may first pass a visual transformer encoder (VTF: 4 post-norm layers, 8 heads,
+FFN 2048; input x sqrt(2048), then sinusoidal frame positions; 100,745,216 parameters).
 
-Differences from the paper / reference code (HLTCHKUST/VG-GPLMs):
-- the fusion softmax runs over video frames with padded frames masked (paper's equations; the
-  reference normalises over text positions and has no mask);
-- for T5 "after encoder layer i" means after block i, i.e. before T5's final encoder LayerNorm;
-- ``fusion: none`` (or a batch without video on ``fusion_enabled = False``) is the text-only
-  BART/T5 baseline and reproduces the plain backbone exactly;
-- beam search is HF ``generate`` (beam 5, 64 new tokens, no repeated trigram by default).
+As the reference code (HLTCHKUST/VG-GPLMs) builds it:
+- BART: one fusion block after encoder layer i (default the last); T5, last encoder layer:
+  after the encoder's final LayerNorm and dropout (``t5_fusion_point: final_norm``; ``block``
+  fuses after the last T5 block instead, before the final LayerNorm; earlier T5 layers always
+  fuse after their block);
+- multi-head fusion in d_c = 256 with one head; forget-gate output dropout;
+- :meth:`VGGPLM.boosted_parameters` (fusion linears, attention, gate) are what the
+  summarization task trains with ``lr x new_layer_lr_scale``; the VTF and the fusion LayerNorm
+  train at the base rate.
+
+Differences from the reference, kept because they fix it:
+- the dot-product softmax runs over video frames with padded frames masked (paper's equations;
+  the reference normalises over text positions and has no mask: ``softmax_over: text``);
+- ``fusion: none`` (or ``fusion_enabled = False``) is the text-only baseline and reproduces the
+  plain backbone exactly;
+- decoding is HF ``generate`` with BART starting from ``<s>`` like its training labels;
+  ``max_len`` counts new tokens (the reference's ``max_length=64`` includes the start token).
 
 Shapes: ``input_ids``/``attention_mask`` [B, L], ``labels`` [B, T] (-100 = ignore),
 ``video`` [B, M, video_dim], ``video_mask`` [B, M] (True = real frame).
@@ -26,10 +35,12 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +48,7 @@ from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
 from tellkit.errors import TellkitError
-from tellkit.layers.fusion import FUSIONS, FusionBlock
-from tellkit.layers.positional import SinusoidalPositions
+from tellkit.layers.fusion import FUSIONS, SOFTMAX_OVER, FusionBlock
 from tellkit.registry import register_model
 
 log = logging.getLogger(__name__)
@@ -63,30 +73,43 @@ KNOWN_BACKBONES: dict[str, dict[str, Any]] = {
 KNOWN_BACKBONES["google-t5/t5-base"] = KNOWN_BACKBONES["t5-base"]
 
 
+T5_FUSION_POINTS = ("final_norm", "block")
+
+
 @dataclass
 class VGGPLMConfig:
     backbone: str = "facebook/bart-base"  # HF hub name or local folder (BART or T5)
     backbone_config: dict[str, Any] | None = None  # the HF config, filled in when first built
-    fusion: str = "multi_head"  # none | dot_product | dot_product_projected | multi_head
+    fusion: str = "dot_product"  # none | dot_product | dot_product_projected | multi_head
     fusion_layers: tuple[int, ...] = (-1,)  # encoder layers to fuse after (negative = from the end)
     decoder_fusion_layers: tuple[int, ...] = ()  # decoder layers to fuse after
-    fusion_dim: int | None = None  # multi-head common dim d_c (None = d_model)
-    fusion_heads: int = 4
+    fusion_dim: int | None = 256  # multi-head common dim d_c (None = d_model)
+    fusion_heads: int = 1
     forget_gate: bool = False
+    softmax_over: str = "frames"  # dot-product attention normalised over frames (paper) or text (reference)
+    t5_fusion_point: str = "final_norm"  # T5 encoder: after the final LayerNorm + dropout, or after a block
     video_dim: int = 2048
     max_frames: int = 256
     visual_encoder: bool = False  # VTF over the video features before fusion
     vtf_layers: int = 4
     vtf_heads: int = 8
     vtf_ffn: int = 2048
-    dropout: float = 0.1  # fusion and VTF dropout
-    new_layer_lr_scale: float = 5.0  # the summarization task's lr factor for fusion/VTF parameters
+    dropout: float = 0.1  # fusion output, forget gate and VTF dropout
+    new_layer_lr_scale: float = 5.0  # lr factor for boosted_parameters() (the reference's img_lr_factor)
 
     def __post_init__(self) -> None:
         if self.fusion not in ("none", *FUSIONS):
             raise TellkitError(f"model.fusion must be one of none, {', '.join(FUSIONS)}; got {self.fusion!r}")
         if self.fusion == "none" and (self.forget_gate or self.visual_encoder):
             raise TellkitError("model.forget_gate / visual_encoder need a fusion (model.fusion is 'none')")
+        if self.softmax_over not in SOFTMAX_OVER:
+            raise TellkitError(
+                f"model.softmax_over must be one of {', '.join(SOFTMAX_OVER)}; got {self.softmax_over!r}"
+            )
+        if self.t5_fusion_point not in T5_FUSION_POINTS:
+            raise TellkitError(
+                f"model.t5_fusion_point must be one of {', '.join(T5_FUSION_POINTS)}; got {self.t5_fusion_point!r}"
+            )
         self.fusion_layers = tuple(int(i) for i in self.fusion_layers)
         self.decoder_fusion_layers = tuple(int(i) for i in self.decoder_fusion_layers)
 
@@ -119,7 +142,9 @@ def backbone_hf_config(cfg: VGGPLMConfig):
             try:
                 hf = transformers.AutoConfig.from_pretrained(name)
             except (OSError, ValueError) as exc:
-                raise TellkitError(f"backbone '{name}' is neither a local folder nor reachable on the HF hub ({_one_line(exc)})") from exc
+                raise TellkitError(
+                    f"backbone '{name}' is neither a local folder nor reachable on the HF hub ({_one_line(exc)})"
+                ) from exc
     if hf.model_type not in ("bart", "t5"):
         raise TellkitError(f"backbone {name}: model_type '{hf.model_type}' is not supported (bart or t5)")
     return hf
@@ -143,12 +168,24 @@ def _config_to_dict(hf) -> dict[str, Any]:
 
 
 # --- visual transformer encoder ------------------------------------------------------------
+def interleaved_sinusoids(length: int, dim: int) -> torch.Tensor:
+    """[length, dim] positions of "Attention is all you need": sin on even channels, cos on odd
+    ones, frequency 10000^(-2i/dim) (the layout the reference's VTF uses)."""
+    pos = torch.arange(length, dtype=torch.float64)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float64) * (-math.log(10000.0) / dim))
+    table = torch.zeros(length, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
+    return table.float()
+
+
 class VisualTransformerEncoder(nn.Module):
-    """Post-norm transformer encoder over video features, with sinusoidal frame positions."""
+    """Post-norm transformer encoder over video features: ``x * sqrt(dim) + positions``, dropout,
+    then ``layers`` ReLU encoder layers with padded frames masked."""
 
     def __init__(self, dim: int, layers: int = 4, heads: int = 8, ffn: int = 2048, dropout: float = 0.1):
         super().__init__()
-        self.positions = SinusoidalPositions(dim)
+        self.dim = dim
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(dim, heads, ffn, dropout, activation="relu", batch_first=True)
@@ -156,9 +193,10 @@ class VisualTransformerEncoder(nn.Module):
         )
 
     def forward(self, video: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = self.dropout(video + self.positions(video.size(1)).to(video.dtype))
+        pos = interleaved_sinusoids(video.size(1), self.dim).to(video.device, video.dtype)
+        x = self.dropout(video * math.sqrt(self.dim) + pos)
         # a sample with no real frame would give NaN rows: let it attend to its padding (its
-        # fusion context is zeroed anyway by the masked softmax)
+        # fusion context is zeroed anyway by the masked attention)
         pad = ~(mask | ~mask.any(-1, keepdim=True))
         for layer in self.layers:
             x = layer(x, src_key_padding_mask=pad)
@@ -190,7 +228,6 @@ class VGGPLM(nn.Module, PretrainedMixin):
                 self.visual_encoder = VisualTransformerEncoder(
                     config.video_dim, config.vtf_layers, config.vtf_heads, config.vtf_ffn, config.dropout
                 )
-            eps = getattr(hf_cfg, "layer_norm_epsilon", 1e-5)
             for where, layers, wanted, blocks in (
                 ("encoder", enc, config.fusion_layers, self.encoder_fusion),
                 ("decoder", dec, config.decoder_fusion_layers, self.decoder_fusion),
@@ -198,9 +235,15 @@ class VGGPLM(nn.Module, PretrainedMixin):
                 for i in sorted({self._norm_index(i, len(layers), where) for i in wanted}):
                     blocks[str(i)] = FusionBlock(
                         config.fusion, d_model, config.video_dim, d_common=config.fusion_dim,
-                        heads=config.fusion_heads, dropout=config.dropout, forget_gate=config.forget_gate, eps=eps,
+                        heads=config.fusion_heads, dropout=config.dropout, forget_gate=config.forget_gate,
+                        softmax_over=config.softmax_over,
                     )
-                    layers[i].register_forward_hook(self._make_hook(blocks[str(i)]))
+                    last = i == len(layers) - 1
+                    if where == "encoder" and self.is_t5 and last and config.t5_fusion_point == "final_norm":
+                        # the encoder stack's output = final LayerNorm + dropout after the last block
+                        self.backbone.get_encoder().register_forward_hook(self._make_hook(blocks[str(i)]))
+                    else:
+                        layers[i].register_forward_hook(self._make_hook(blocks[str(i)]))
             if not len(self.encoder_fusion) and not len(self.decoder_fusion):
                 raise TellkitError("model.fusion is set but no fusion_layers / decoder_fusion_layers are given")
 
@@ -221,6 +264,13 @@ class VGGPLM(nn.Module, PretrainedMixin):
             if not name.startswith("backbone."):
                 yield p
 
+    def boosted_parameters(self) -> Iterator[nn.Parameter]:
+        """What the reference trains with ``lr x new_layer_lr_scale``: the fusion linears,
+        attention and forget gates (not the fusion LayerNorms, not the VTF)."""
+        for blocks in (self.encoder_fusion, self.decoder_fusion):
+            for block in blocks.values():
+                yield from block.boosted_parameters()
+
     def parameter_breakdown(self) -> dict[str, int]:
         def count(m: nn.Module | None) -> int:
             return 0 if m is None else sum(p.numel() for p in m.parameters())
@@ -239,7 +289,12 @@ class VGGPLM(nn.Module, PretrainedMixin):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if self._ctx is None or not self.fusion_enabled:
                 return None
-            hidden = output[0] if isinstance(output, tuple) else output
+            if isinstance(output, tuple):
+                hidden = output[0]
+            elif isinstance(output, torch.Tensor):
+                hidden = output
+            else:  # an encoder stack's ModelOutput
+                hidden = output.last_hidden_state
             video, mask = self._ctx
             if video.size(0) != hidden.size(0):  # beam search: each sample repeated contiguously
                 if hidden.size(0) % video.size(0):
@@ -247,7 +302,12 @@ class VGGPLM(nn.Module, PretrainedMixin):
                 r = hidden.size(0) // video.size(0)
                 video, mask = video.repeat_interleave(r, 0), mask.repeat_interleave(r, 0)
             fused = block(hidden, video.to(hidden.dtype), mask)
-            return (fused, *output[1:]) if isinstance(output, tuple) else fused
+            if isinstance(output, tuple):
+                return (fused, *output[1:])
+            if isinstance(output, torch.Tensor):
+                return fused
+            output.last_hidden_state = fused
+            return output
 
         return hook
 
@@ -333,12 +393,19 @@ class VGGPLM(nn.Module, PretrainedMixin):
         try:
             hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(self.config.backbone)
         except (OSError, ValueError) as exc:
-            raise TellkitError(f"cannot load backbone weights from '{self.config.backbone}' ({_one_line(exc)})") from exc
+            raise TellkitError(
+                f"cannot load backbone weights from '{self.config.backbone}' ({_one_line(exc)})"
+            ) from exc
         missing, unexpected = self.backbone.load_state_dict(hf.state_dict(), strict=False)
         if unexpected or [k for k in missing if "embed_tokens" not in k and "lm_head" not in k]:
-            raise TellkitError(f"backbone '{self.config.backbone}' does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+            raise TellkitError(
+                f"backbone '{self.config.backbone}' does not match its config "
+                f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
+            )
 
-    def save_pretrained(self, directory: str | os.PathLike, extra: dict[str, Any] | None = None, tokenizer: Any = None) -> Path:
+    def save_pretrained(
+        self, directory: str | os.PathLike, extra: dict[str, Any] | None = None, tokenizer: Any = None
+    ) -> Path:
         """Checkpoint (config.json + model.safetensors); with ``tokenizer``, also ``tokenizer/``."""
         d = super().save_pretrained(directory, extra)
         if tokenizer is not None:
@@ -390,7 +457,9 @@ def save_tiny_backbone(
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.train_from_iterator(list(texts) or ["hello world"], trainers.WordLevelTrainer(special_tokens=specials))
     if kind == "bart":
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+        )
         fast = transformers.PreTrainedTokenizerFast(
             tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
         )
@@ -402,7 +471,9 @@ def save_tiny_backbone(
         )
     else:
         tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+        )
         cfg = transformers.T5Config(
             vocab_size=tok.get_vocab_size(), d_model=d_model, d_kv=d_model // heads, d_ff=ffn, num_layers=layers,
             num_decoder_layers=layers, num_heads=heads, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,

@@ -1,22 +1,27 @@
-"""Multimodal summarization (How2 video + transcript -> summary) for VG-BART / VG-T5.
+"""Multimodal summarization (How2 video + transcript -> summary) for VG-BART / VG-T5 and the
+How2 seq2seq baseline.
 
-Recipe sections read here (``configs/vg/*.yaml``)::
+Recipe sections read here (``configs/vg/*.yaml``), typed: an unknown key is an error::
 
     data: {root, train: [parts], val: [parts], test: [parts], max_source_tokens: 512,
            max_target_tokens: 128, max_frames: 256, pad_frames: true, source_prefix: "", dedupe: true}
     eval: {beam_size: 5, max_len: 64, min_len: 0, no_repeat_ngram_size: 3, length_penalty: 1.0,
            batch_size: null, metrics: [rouge, caption, content_f1]}
 
-Parts are ``tellkit.data.how2`` names (``"mfn_sample:sum_train"``, ``"mcls_demo:val"``, or
-``"sum_train"`` for the official layout directly under ``root``). Training starts from the
-pre-trained backbone's weights; the new layers (fusion, VTF) get ``lr x
-model.new_layer_lr_scale``. Validation generates and selects / early-stops on ROUGE-2 (the
-reference implementation).
+``data.root`` has no default: it comes from the recipe, ``data.root=...`` on the command line or
+``tellkit evaluate --data``. Parts are ``tellkit.data.how2`` names (``"mfn_sample:sum_train"``,
+``"mcls_demo:val"``, or ``"sum_train"`` for the official layout directly under ``root``). The
+decoding fields of ``eval`` are :class:`SummaryGenerationConfig`, the one generation config of
+the family (also read by ``tellkit.pipelines.summarization``). Training starts from the
+pre-trained backbone's weights; the model's ``boosted_parameters()`` (VG-GPLM: fusion linears,
+attention, forget gate) get ``lr x model.new_layer_lr_scale``. Validation generates and selects /
+early-stops on ROUGE-2 (the reference implementation).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from torch import nn
 
@@ -28,7 +33,7 @@ from tellkit.tasks.base import Task
 
 @dataclass
 class How2DataConfig:
-    root: str = "../shared/data/how2"
+    root: str | None = None  # the How2 folder; no default (recipe, data.root=..., or --data)
     train: tuple[str, ...] = ("sum_train",)
     val: tuple[str, ...] = ("sum_cv",)
     test: tuple[str, ...] = ("sum_devtest",)
@@ -36,19 +41,49 @@ class How2DataConfig:
     max_target_tokens: int = 128
     max_frames: int = 256
     pad_frames: bool = True  # pad every video to max_frames (as the reference); else to the batch's longest
-    source_prefix: str = ""  # e.g. "summarize: " for T5
+    source_prefix: str = ""  # text put before every transcript (e.g. T5's "summarize: ")
     dedupe: bool = True  # skip a video id already read from an earlier part of the same split
 
 
 @dataclass
-class SummaryEvalConfig:
+class SummaryGenerationConfig:
+    """Decoding settings of the summarization family (VG-BART, VG-T5, seq2seq), defined once:
+    the recipe's ``eval`` section, ``tellkit evaluate`` and ``tellkit summarize`` all read it."""
+
     beam_size: int = 5
-    max_len: int = 64
+    max_len: int = 64  # new tokens
     min_len: int = 0
     no_repeat_ngram_size: int = 3
     length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1 or self.max_len < 1 or self.min_len < 0 or self.no_repeat_ngram_size < 0:
+            raise ValueError("beam_size and max_len must be >= 1, min_len and no_repeat_ngram_size >= 0")
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len {self.min_len} is larger than max_len {self.max_len}")
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the family's ``model.generate``."""
+        return {f.name: getattr(self, f.name) for f in fields(SummaryGenerationConfig)}
+
+    @classmethod
+    def from_eval(cls, section: Mapping[str, Any] | None, **overrides: Any) -> SummaryGenerationConfig:
+        """The decoding fields of a (stored) ``eval`` section, with non-None overrides on top."""
+        from tellkit.config import from_dict
+
+        keep = {f.name for f in fields(cls)}
+        d = {k: v for k, v in dict(section or {}).items() if k in keep}
+        d.update({k: v for k, v in overrides.items() if v is not None})
+        return from_dict(cls, d, "eval")
+
+
+@dataclass
+class SummaryEvalConfig(SummaryGenerationConfig):
     batch_size: int | None = None
     metrics: tuple[str, ...] = ("rouge", "caption", "content_f1")
+
+    def generation(self) -> SummaryGenerationConfig:
+        return SummaryGenerationConfig(**{f.name: getattr(self, f.name) for f in fields(SummaryGenerationConfig)})
 
 
 def _section(recipe: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -91,9 +126,10 @@ class SummarizationTask(Task):
         return model
 
     def param_groups(self, model: nn.Module, lr: float) -> list[dict[str, Any]]:
-        new = {id(p) for p in model.new_parameters()}
-        old = [p for p in model.parameters() if p.requires_grad and id(p) not in new]
-        added = [p for p in model.parameters() if p.requires_grad and id(p) in new]
+        boosted_fn = getattr(model, "boosted_parameters", None) or model.new_parameters
+        boosted = {id(p) for p in boosted_fn()}
+        old = [p for p in model.parameters() if p.requires_grad and id(p) not in boosted]
+        added = [p for p in model.parameters() if p.requires_grad and id(p) in boosted]
         groups = [{"params": old, "lr": lr}]
         if added:
             groups.append({"params": added, "lr": lr * model.config.new_layer_lr_scale})
@@ -108,6 +144,11 @@ class SummarizationTask(Task):
             raise TellkitError(f"unknown split '{split}' (train, val or test)")
         if not parts:
             return None
+        if not self.data.root:
+            raise TellkitError(
+                "data.root is not set: give the How2 folder in the recipe, as data.root=/path/to/how2, "
+                "or with tellkit evaluate --data /path/to/how2"
+            )
         examples = read_parts(self.data.root, parts, dedupe=self.data.dedupe, with_video=self.uses_video)
         return How2Dataset(
             examples,
@@ -135,12 +176,11 @@ class SummarizationTask(Task):
 
     # --- evaluation ----------------------------------------------------------------------
     def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        e = self.eval
-        out = model.generate(
-            batch, max_len=e.max_len, beam_size=e.beam_size, no_repeat_ngram_size=e.no_repeat_ngram_size,
-            length_penalty=e.length_penalty, min_len=e.min_len,
-        )
-        texts = [self.tokenizer.decode(t, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip() for t in out["tokens"]]
+        out = model.generate(batch, **self.eval.generation().kwargs())
+        texts = [
+            self.tokenizer.decode(t, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
+            for t in out["tokens"]
+        ]
         return [
             {"id": i, "prediction": p, "reference": r}
             for i, p, r in zip(batch["ids"], texts, batch["summaries"])

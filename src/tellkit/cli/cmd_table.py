@@ -77,7 +77,8 @@ def _task(recipe):
     from tellkit.tasks.captioning import data_config, encoders_config, model_contexts
 
     data = data_config(recipe)
-    bundle = EncoderBundle(encoders_config(recipe), model_contexts(recipe.get("model") or {}),
+    model = recipe.get("model") or {}
+    bundle = EncoderBundle(encoders_config(recipe), model_contexts(model), object_dim=model.get("object_dim", 2048),
                            max_article_tokens=data.max_article_tokens, context_mode=data.context,
                            shared_encoders=_MEMO, memo=_MEMO)
     return cls(recipe, bundle=bundle)

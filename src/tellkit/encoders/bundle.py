@@ -98,8 +98,9 @@ class EncoderBundle:
     def __init__(self, config: EncodersConfig | Mapping[str, Any] | None = None,
                  contexts: Sequence[str] = ("image", "article", "faces"), *, max_article_tokens: int = 512,
                  context_mode: str = "location_aware", device: str | torch.device = "cpu",
-                 shared_encoders: dict | None = None, memo: dict | None = None):
+                 object_dim: int = OBJECT_DIM, shared_encoders: dict | None = None, memo: dict | None = None):
         self.config = EncodersConfig.from_recipe(config)
+        self.object_dim = int(object_dim)  # the size of the precomputed object vectors the model reads
         # ``shared_encoders``: a dict, shared by several bundles, that keeps the built encoders
         # (keyed by what decides them); ``memo``: one that also keeps every image / article
         # encoding (float16), for runs that encode the same inputs again (``tellkit table`` rows)
@@ -203,7 +204,7 @@ class EncoderBundle:
                 item.update(self._faces(inp, pil, details))
         if "objects" in self.contexts:
             for item, inp in zip(items, inputs):
-                item["objects"] = _as_set(inp.objects if inp.objects is not None else [], OBJECT_DIM, None, "objects")
+                item["objects"] = _as_set(inp.objects if inp.objects is not None else [], self.object_dim, None, "objects")
                 if details:
                     item["objects_source"] = "precomputed" if inp.objects is not None else "none"
         if "article" in self.contexts:

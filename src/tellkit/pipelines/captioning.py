@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from tellkit.encoders.bundle import DEFAULT_ARTICLE_ENCODER, CaptionInput, EncoderBundle, EncodersConfig
+from tellkit.encoders.bundle import DEFAULT_ARTICLE_ENCODER, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.errors import TellkitError
 from tellkit.generation import GenerationConfig
 from tellkit.pipelines.base import checkpoint_info, finite_or_none
@@ -65,9 +65,10 @@ def crop_box(width: int, height: int, resize: int, crop: int) -> list[float]:
     return [round(left * sx, 1), round(top * sy, 1), round((left + crop) * sx, 1), round((top + crop) * sy, 1)]
 
 
-def _bundle(encoders: EncodersConfig, contexts, max_article_tokens: int, context_mode: str, device) -> EncoderBundle:
-    return EncoderBundle(encoders, contexts, max_article_tokens=max_article_tokens, context_mode=context_mode,
-                         device=device, shared_encoders=_SHARED)
+def _bundle(encoders: EncodersConfig, model_config, max_article_tokens: int, context_mode: str, device) -> EncoderBundle:
+    return EncoderBundle(encoders, tuple(model_config.contexts), max_article_tokens=max_article_tokens,
+                         context_mode=context_mode, device=device,
+                         object_dim=getattr(model_config, "object_dim", OBJECT_DIM), shared_encoders=_SHARED)
 
 
 class CaptioningPipeline:
@@ -120,7 +121,7 @@ class CaptioningPipeline:
         contexts = tuple(model.config.contexts)
         mode = data.context if "article" in contexts else "none"
         gen = ev.generation.updated(max_len=max_len, beam_size=beam_size, length_penalty=length_penalty)
-        return cls(model, _bundle(encoders, contexts, data.max_article_tokens, mode, device),
+        return cls(model, _bundle(encoders, model.config, data.max_article_tokens, mode, device),
                    info=checkpoint_info(meta["family"], path, meta), generation=gen)
 
     @classmethod
@@ -136,7 +137,7 @@ class CaptioningPipeline:
         model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512,
                              contexts=list(contexts), max_len=12).eval().to(device)
         encoders = EncodersConfig(article=DEFAULT_ARTICLE_ENCODER)
-        return cls(model, _bundle(encoders, contexts, 512, "location_aware", device),
+        return cls(model, _bundle(encoders, model.config, 512, "location_aware", device),
                    info={"family": "transform_and_tell", "checkpoint": None, "trained": False,
                          "note": "tiny random model (tellkit serve --untrained): captions are noise"})
 

@@ -41,7 +41,7 @@ from tellkit.config import from_dict
 from tellkit.data import CAPTION_FORMATS
 from tellkit.data.batch import CaptionBatch, CaptionItem, collate_captions
 from tellkit.data.sample import CaptionSample
-from tellkit.encoders.bundle import CONTEXT_MODES, CaptionInput, EncoderBundle, EncodersConfig
+from tellkit.encoders.bundle import CONTEXT_MODES, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.errors import TellkitError
 from tellkit.generation import GenerationConfig
 from tellkit.tasks import register_task
@@ -287,7 +287,8 @@ class CaptioningTask(Task):
     def bundle(self) -> EncoderBundle:
         if self._bundle is None:
             self._bundle = EncoderBundle(self.encoders, self.contexts, max_article_tokens=self.data.max_article_tokens,
-                                         context_mode=self.data.context)
+                                         context_mode=self.data.context,
+                                         object_dim=int(self.model_cfg.get("object_dim", OBJECT_DIM)))
         return self._bundle
 
     # -- data ------------------------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""The middle layer: the captioning pipeline over one encoder bundle, typed recipe sections,
+one generation config, and the import layering (no cycles, the CLI never imports the server)."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from tellkit.config import load_yaml
+from tellkit.encoders.bundle import EncoderBundle
+from tellkit.encoders.preprocess import ImageNetTransform
+from tellkit.errors import TellkitError
+from tellkit.generation import GenerationConfig
+from tellkit.pipelines import captioning as P
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "tellkit"
+DEMO = SRC / "assets" / "demo_caption"
+
+
+class _Img:
+    out_dim, name = 16, "fake-image"
+    preprocess = ImageNetTransform()
+
+    def encode(self, pils):
+        x = torch.stack([torch.full((4, 16), float(sum(p.getpixel((0, 0)))) / 765) for p in pils])
+        return x, torch.ones(x.shape[:2], dtype=torch.bool)
+
+
+class FakeBundle(EncoderBundle):
+    image_encoder = property(lambda self: _Img())
+
+
+def tiny(contexts, **kw):
+    from tellkit.registry import create_model
+
+    torch.manual_seed(0)
+    return create_model("tat/tiny", contexts=list(contexts), max_len=6, **kw)
+
+
+# --- typed recipe sections -------------------------------------------------------------------------
+@pytest.mark.parametrize("section,key", [("data", "contxt"), ("eval", "beamsize"), ("encoders", "imagee")])
+def test_a_typo_in_a_captioning_section_is_a_one_line_error(section, key):
+    from tellkit.tasks.captioning import CaptioningTask
+
+    r = load_yaml("tat/tiny")
+    r[section] = {**(r.get(section) or {}), key: 1}
+    with pytest.raises(TellkitError, match=f"{section}: unknown key.*{key}") as exc:
+        CaptioningTask(r)
+    assert "\n" not in str(exc.value)
+
+
+def test_bad_values_are_refused():
+    from tellkit.tasks.captioning import CaptioningTask
+
+    r = load_yaml("tat/tiny")
+    for section, value, msg in [("data", {"context": "everything"}, "data.context"),
+                                ("data", {"format": "imagenet"}, "data.format"),
+                                ("data", {"limit": {"dev": 3}}, "unknown split"),
+                                ("eval", {"beam_size": 0}, "beam_size")]:
+        with pytest.raises(TellkitError, match=msg):
+            CaptioningTask({**r, section: value})
+
+
+def test_no_data_location_is_a_clear_error():
+    from tellkit.tasks.captioning import CaptioningTask
+
+    r = load_yaml("baselines/flickr8k/show_tell")  # ships without a data location
+    assert "root" not in r["data"]
+    with pytest.raises(TellkitError, match="no 'root'.*--data"):
+        CaptioningTask(r).build_dataset("train")
+
+
+def test_generation_config_is_read_once_and_overridden_by_flags():
+    gen = GenerationConfig.from_section({"beam_size": 3, "max_len": 9, "metrics": ["bleu"], "ner": False})
+    assert gen == GenerationConfig(max_len=9, beam_size=3)
+    assert gen.updated(beam_size=None, max_len=4) == GenerationConfig(max_len=4, beam_size=3)
+    with pytest.raises(TellkitError, match="max_len"):
+        gen.updated(max_len=0)
+    with pytest.raises(TellkitError, match="unknown setting"):
+        gen.updated(temperature=0.7)
+
+
+# --- the captioning pipeline ---------------------------------------------------------------------
+def test_pipeline_uses_the_checkpoint_generation_settings(tmp_path, monkeypatch):
+    model = tiny(["image"])
+    model.save_pretrained(tmp_path / "ck", extra={"task": "captioning", "eval": {"beam_size": 3, "max_len": 5},
+                                                  "data": {"context": "none"}})
+    made = []
+    monkeypatch.setattr(P, "_bundle", lambda enc, cfg, n, mode, dev: made.append(mode) or FakeBundle(enc, cfg.contexts))
+    cap = P.CaptioningPipeline.load(tmp_path / "ck")
+    assert cap.generation == GenerationConfig(max_len=5, beam_size=3) and made == ["none"]
+    assert P.CaptioningPipeline.load(tmp_path / "ck", beam_size=1).generation.beam_size == 1
+    res = cap.caption([(Image.new("RGB", (40, 30), "red"), "ignored")])[0]
+    assert len(res["tokens"]) <= 5 and (res["grid"]["rows"], res["grid"]["cols"]) == (2, 2)
+    assert "objects" not in res and res["article_tokens"] == [] and res["faces"] == []
+
+    model.save_pretrained(tmp_path / "typo", extra={"task": "captioning", "eval": {"beam": 3}})
+    with pytest.raises(TellkitError, match="eval: unknown key"):
+        P.CaptioningPipeline.load(tmp_path / "typo")
+
+
+def test_a_model_that_reads_objects_says_the_set_is_empty():
+    """No object detector ships: a new image gets an empty objects context, and the result and
+    the model info say so."""
+    model = tiny(["image", "objects"], object_dim=2048)
+    cap = P.CaptioningPipeline(model, FakeBundle(None, ("image", "objects")))
+    res = cap.caption([(Image.new("RGB", (32, 32), "blue"), ""), (Image.new("RGB", (32, 32)), "")])
+    for r in res:
+        assert r["objects"]["count"] == 0 and r["objects"]["source"] == "none"
+        assert "no object detector" in r["objects"]["note"] and r["tokens"]
+        assert all(t["attention"]["objects"] == [] for t in r["tokens"])
+    assert "no object detector" in cap.info["objects"]
+
+
+def test_the_bundle_must_give_the_model_contexts():
+    with pytest.raises(TellkitError, match="does not give the model's context"):
+        P.CaptioningPipeline(tiny(["image", "faces"]), FakeBundle(None, ("image",)))
+    with pytest.raises(TellkitError, match="image_dim=12"):
+        P.CaptioningPipeline(tiny(["image"], image_dim=12), FakeBundle(None, ("image",)))
+
+
+def test_article_input_splits_paragraphs():
+    assert P.article_input("Title\n\nOne\ntwo.\n\n\nThree.").paragraphs == ["Title", "One\ntwo.", "Three."]
+    assert P.article_input("one\ntwo\n").paragraphs == ["one", "two"] and P.article_input("  ").paragraphs == []
+
+
+@pytest.mark.slow
+def test_caption_json_reports_the_empty_objects_context(tmp_path, capsys):
+    """`tellkit caption --json` with a model that reads objects (real offline image encoder)."""
+    from tellkit.cli import main
+
+    model = tiny(["image", "objects"], image_dim=1280, object_dim=2048)
+    model.save_pretrained(tmp_path / "ck", extra={"task": "captioning", "encoders": {"image": "mobilenet_v2"}})
+    assert main(["caption", "--image", str(DEMO / "coffee.jpg"), "--checkpoint", str(tmp_path / "ck"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["objects"]["count"] == 0 and "no object detector" in out["objects"]["note"]
+    assert "no object detector" in out["model"]["objects"]
+
+
+# --- layering --------------------------------------------------------------------------------------
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def _imports_of(folder: str) -> dict[str, set[str]]:
+    return {str(p.relative_to(SRC)): _imports(p) for p in (SRC / folder).rglob("*.py")}
+
+
+def test_layering_has_no_cycles_in_the_middle():
+    """encoders never import data / tasks / pipelines / server; data never imports the layers
+    above it; static word vectors do not reach into the article encoder; the CLI's caption and
+    demo commands and the pipelines never import the server or the benchmarks."""
+    above = ("tellkit.tasks", "tellkit.pipelines", "tellkit.server", "tellkit.cli", "tellkit.training")
+    for f, mods in _imports_of("encoders").items():
+        bad = [m for m in mods if m.startswith(("tellkit.data",) + above)]
+        assert not bad, (f, bad)
+    for f, mods in _imports_of("data").items():
+        bad = [m for m in mods if m.startswith(above)]
+        assert not bad, (f, bad)
+    assert "tellkit.encoders.text" not in _imports(SRC / "encoders" / "static_vectors.py")
+    for f in ("cli/cmd_caption.py", "cli/cmd_demo.py", *_imports_of("pipelines")):
+        mods = _imports(SRC / f)
+        assert not [m for m in mods if m.startswith(("tellkit.server", "tellkit.bench", "tellkit.cli"))], f

@@ -4,7 +4,9 @@ Captioning (one :class:`~tellkit.data.sample.CaptionSample` per image + caption)
 ``goodnews.load_goodnews``, ``nytimes.load_nytimes_archive`` / ``load_nytimes_mongo``
 (mongodump archive read without a server: ``mongo_archive``), ``coco.load_coco``,
 ``flickr8k.load_flickr8k``; :func:`load_captions` picks one by ``format``.
-Batching: ``bucketing.bucket_batches`` (length buckets with a token cap).
+Batching: ``batch`` (the captioning batch contract: ``CaptionItem`` / ``CaptionBatch`` TypedDicts,
+masks True = a real entry, ``collate_captions``, ``read_context``) and
+``bucketing.bucket_batches`` (length buckets with a token cap).
 Other tasks: ``crohme`` (+ ``latex``), ``how2``.
 """
 from __future__ import annotations

@@ -24,9 +24,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from tellkit.config import from_dict
+from tellkit.encoders.image import DEFAULT_IMAGE_ENCODER
 from tellkit.errors import TellkitError
 
-DEFAULT_IMAGE_ENCODER = "mobilenet_v2"  # the offline default (packaged ImageNet weights)
 DEFAULT_ARTICLE_ENCODER = "all-MiniLM-L6-v2"  # packaged; the paper used roberta-large
 DEFAULT_FACE_ENCODER = "facenet_casia"  # packaged CASIA-WebFace FaceNet; the paper used VGGFace2
 MAX_FACES = 4  # Transform and Tell keeps the 4 largest faces

@@ -1,6 +1,6 @@
 """Pre-computed encoder outputs on disk: ``tellkit features`` writes them, training reads them.
 
-    items = items_from_images("photos/")                       # or items_from_dataset(...)
+    items = items_from_images("photos/")       # or tellkit.tasks.captioning.dataset_inputs(...)
     summary = extract_features(items, "feats/", FeatureConfig(article=True))
     store = FeatureStore("feats/")
     store["<image id>"] -> {"image": float[N, C], "image_mask": bool[N],

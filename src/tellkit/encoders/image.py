@@ -26,6 +26,8 @@ from tellkit.encoders.preprocess import ImageNetTransform
 from tellkit.encoders.resnet import BLOCKS, ResNet
 from tellkit.errors import TellkitError
 
+DEFAULT_IMAGE_ENCODER = "mobilenet_v2"  # the one with pre-trained weights that ship offline
+
 # name -> (constructor, offline default weights file or None)
 _ARCHS: dict[str, tuple[Callable[[], nn.Module], Callable[[], object] | None]] = {
     "mobilenet_v2": (MobileNetV2, W.mobilenet_v2_imagenet),
@@ -71,7 +73,7 @@ class ImageEncoder(nn.Module):
         return self.backbone(self.preprocess.batch(list(images)).to(device))
 
 
-def build_image_encoder(name: str = "mobilenet_v2", weights=None) -> ImageEncoder:
+def build_image_encoder(name: str = DEFAULT_IMAGE_ENCODER, weights=None) -> ImageEncoder:
     """Build a frozen image encoder; see the module docstring for ``weights``."""
     if name not in _ARCHS:
         raise TellkitError(f"unknown image encoder '{name}'; known: {', '.join(list_image_encoders())}")

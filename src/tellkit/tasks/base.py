@@ -3,10 +3,17 @@
 The trainer owns devices, DDP, mixed precision, optimizer steps, checkpoints and logging;
 a Task owns everything specific to one kind of model and data. The model contract is::
 
-    out = model(batch)          # batch: dict of tensors from Task.collate (moved to device)
+    out = model(batch)          # batch: dict of tensors from Task.collate (moved to device);
+                                # captioning: tellkit.data.batch.CaptionBatch (masks True = real)
     out["loss"]                 # scalar, mean over target tokens
     out["ntokens"]              # int/tensor, number of target tokens (for logging, tokens/s)
-    model.generate(...)         # task-specific; called only from Task.evaluate / predict
+    model.generate(...)         # task-specific; called from Task.predict and the inference
+                                # pipelines (tellkit.pipelines), with the recipe's generation
+                                # settings (tellkit.generation.GenerationConfig for captioners)
+
+A task reads its recipe sections through dataclasses that refuse unknown keys (e.g.
+``tellkit.tasks.captioning.CaptionDataConfig`` / ``CaptionEvalConfig``); inference does not go
+through a task but through :mod:`tellkit.pipelines`.
 """
 from __future__ import annotations
 

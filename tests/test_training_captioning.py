@@ -186,3 +186,26 @@ def test_train_caption_words_are_cached_beside_the_features(tmp_path):
     r = recipe(tmp_path)
     r["data"]["root"] = str(tmp_path / "gone")  # the data is not read again
     assert CaptioningTask(r).train_words == task.train_words
+
+
+def test_feature_cache_keeps_precomputed_faces_and_objects(tmp_path, monkeypatch):
+    """Shipped face embeddings and object vectors are stored as given (no detector runs) and
+    read back per image; an image without objects gets an empty set."""
+    from tellkit.encoders.bundle import CaptionInput, EncodersConfig
+    from tellkit.encoders.features import FeatureConfig, FeatureStore, extract_features
+
+    class NoDetector(FakeBundle):
+        face_encoder = property(lambda self: pytest.fail("the face detector ran"))
+
+    img = str(FIX / "goodnews" / "images" / "5a1b2c_0.jpg")
+    faces = torch.randn(6, 512)
+    objects = torch.randn(5, 2048)
+    items = [CaptionInput("a", img, faces=faces.numpy(), objects=objects.numpy()),
+             CaptionInput("b", img, faces=torch.zeros(0, 512))]  # shipped, but no face in the image
+    cfg = FeatureConfig(EncodersConfig(max_faces=3), faces=True, objects=True, dtype="float32")
+    monkeypatch.setattr(features_mod, "EncoderBundle", NoDetector)
+    extract_features(items, tmp_path / "f", cfg, progress=False)
+    store = FeatureStore(tmp_path / "f")
+    assert torch.equal(store["a"]["faces"], faces[:3]) and torch.equal(store["a"]["objects"], objects)
+    assert store["b"]["faces"].shape == (0, 512) and store["b"]["objects"].shape == (0, 2048)
+    assert json.loads((tmp_path / "f" / "features.json").read_text())["config"]["max_faces"] == 3

@@ -74,7 +74,7 @@ def run(args) -> int:
     else:
         from tellkit.tasks.captioning import dataset_inputs
 
-        items = dataset_inputs(args.format, args.root, args.split, args.limit, args.image_root)
+        items = dataset_inputs(args.format, args.root, args.split, args.limit, args.image_root, objects=args.objects)
     if args.article and args.images:
         print("note: --images gives no article text; article features will be empty", file=sys.stderr)
     if args.objects and args.images:

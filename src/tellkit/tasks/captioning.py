@@ -135,13 +135,18 @@ def sample_input(s: CaptionSample, context_mode: str = "location_aware") -> Capt
 
 
 def dataset_inputs(fmt: str, root: str, split: str | None = None, limit: int | None = None,
-                   image_root: str | None = None) -> list[CaptionInput]:
+                   image_root: str | None = None, objects: bool = False) -> list[CaptionInput]:
     """One input per distinct image of a captioning data set (``tellkit features --format``),
     with its article context (title, paragraphs, image position) and precomputed sets.
-    ``image_root``: the images' folder (NYTimes800k default: ``images_processed`` beside the archive)."""
+    ``image_root``: the images' folder (NYTimes800k default: ``images_processed`` beside the archive);
+    ``objects``: also read the object vectors the data set ships (NYTimes800k)."""
     from tellkit.data import load_captions
 
     options: dict = {}
+    if objects:
+        if fmt != "nytimes800k":
+            raise TellkitError(f"the {fmt} data ships no object vectors (--objects is for nytimes800k)")
+        options["objects"] = True
     if fmt == "nytimes800k":
         beside = Path(root).parent / "images_processed"
         options["image_root"] = image_root or (beside if beside.is_dir() else None)
@@ -299,6 +304,8 @@ class CaptioningTask(Task):
         if d.format is None:
             raise TellkitError("the recipe's data section has no 'format' (goodnews, nytimes800k, coco or flickr8k)")
         options = dict(d.options)
+        if "objects" in self.contexts and d.format == "nytimes800k":  # the object vectors it ships
+            options.setdefault("objects", True)
         if d.format in ("coco", "flickr8k"):
             options.setdefault("context", d.context if d.context in ("none", "other_captions") else "none")
         if d.format == "coco" and d.files:  # one official file per split

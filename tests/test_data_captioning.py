@@ -6,6 +6,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tellkit.data import load_captions
@@ -27,9 +28,11 @@ def test_goodnews_splits_captions_and_images():
     s = train[0]
     assert s.caption == "Mayor Jane Doe cuts the ribbon in Albany on Monday."
     assert s.title == "A New Bridge for Albany"
-    assert s.paragraphs == ["Mayor Jane Doe opened the bridge on Monday.", "The bridge cost $2 million.", "It spans the Hudson River."]
+    # blank-line blocks as stored: joined back they are the article (the reference's context body)
+    assert s.paragraphs == ["Mayor Jane Doe opened the bridge on Monday.", "The bridge cost $2 million.\nIt spans the Hudson River."]
     assert s.image_position is None and Path(s.image_path).is_file() and s.split == "train"
-    assert [x.id for x in load_goodnews(FIX / "goodnews", "test")] == ["5a1b2c_1"]  # same article, other split
+    test = load_goodnews(FIX / "goodnews", "test")
+    assert [x.id for x in test] == ["5a1b2c_1"]  # same article, other split
     assert len(load_goodnews(FIX / "goodnews")) == 3
     with pytest.raises(TellkitError, match="not found"):
         load_goodnews(FIX / "nytimes")
@@ -39,7 +42,7 @@ def test_mongodump_archive_read_without_a_server():
     header, metas = read_header(ARCHIVE)
     assert header["version"] == "0.1" and [m["collection"] for m in metas] == ["articles", "objects"]
     docs = list(iter_documents(ARCHIVE))
-    assert Counter(ns for ns, _ in docs) == {"nytimes.articles": 3, "nytimes.objects": 1}
+    assert Counter(ns for ns, _ in docs) == {"nytimes.articles": 3, "nytimes.objects": 2}
     first = docs[0][1]
     assert first["_id"] == "5c3a1f0e8f1a2b3c4d5e6f70" and first["pub_date"].year == 2018
     assert first["parsed_section"][2]["facenet_details"]["embeddings"][0][3] == pytest.approx(0.03)
@@ -68,8 +71,19 @@ def test_nytimes_samples_from_the_archive():
     a = by_id["aa11"]
     assert a.caption == "Waves in Portland, Me., on Friday." and a.title == "Storm Hits Coast"
     assert a.paragraphs[:2] == ["A storm hit the coast of Maine on Friday.", "Thousands lost power."]
-    assert a.image_position == 2 and by_id["bb22"].image_position == 4
-    assert len(a.extra["faces"]) == 1 and len(a.extra["faces"][0]) == 512 and a.extra["objects"] == [[0.5] * 4]
+    # other captions are empty slots; the image's own caption is not among the paragraphs
+    assert a.image_position == 2 and by_id["bb22"].image_position == 5
+    assert by_id["bb22"].paragraphs == ["A storm hit the coast of Maine on Friday.", "Thousands lost power.", "",
+                                        "Governor Paul LePage declared an emergency.", "Schools were closed.",
+                                        "Power returned on Sunday."]
+    faces, objects = a.extra["faces"], a.extra["objects"]
+    assert faces.dtype == objects.dtype == np.float32
+    assert faces.shape == (4, 512) and faces[3, 1] == pytest.approx(3.01)  # first four of five, in order
+    assert objects.shape == (3, 2048) and objects[0, 0] == 0.5 and objects[2, 5] == 1.0
+    b = by_id["bb22"]
+    assert b.extra["faces"].shape == (0, 512) and b.extra["objects"].shape == (0, 2048)  # shipped, none found
+    assert "objects" not in by_id["cc33"].extra and "faces" not in by_id["cc33"].extra  # not shipped
+    assert "objects" not in load_nytimes_archive(ARCHIVE, "train")[0].extra  # objects=False: not read
     assert Path(a.image_path).is_file() and a.split == "train" and by_id["cc33"].split == "val"
     assert [s.id for s in load_nytimes_archive(ARCHIVE, "val")] == ["cc33"]
     with pytest.raises(TellkitError, match="no test captions"):
@@ -101,9 +115,51 @@ def test_nytimes_from_mongodb_through_a_client():
             allowed = set(query["split"]["$in"])
             return [d for d in docs if d["split"] in allowed]
 
-    client = {"nytimes": {"articles": Coll()}}
+    objects = {d["_id"]: d for ns, d in iter_documents(ARCHIVE, {"nytimes.objects"})}
+
+    class Objects:
+        def find(self, query, projection=None):
+            return [objects[k] for k in query["_id"]["$in"] if k in objects]
+
+    client = {"nytimes": {"articles": Coll(), "objects": Objects()}}
     got = load_nytimes_mongo("mongodb://localhost", "val", client=client)
     assert [s.id for s in got] == ["cc33"]
+    train = load_nytimes_mongo("mongodb://localhost", "train", client=client, objects=True)
+    assert {s.id: s.extra["objects"].shape for s in train} == {"aa11": (3, 2048), "bb22": (0, 2048)}
+    assert train[0].extra["faces"].shape == (4, 512)
+
+
+def test_goodnews_captions_cleaned_as_the_reference(tmp_path):
+    import json
+
+    from tellkit.data.goodnews import clean_caption
+
+    raw = " <b>DUSK</b> The new bridge at dusk [Click to enlarge] &amp; lit. "
+    # HTML to text (entities decoded), [...] removed, stripped
+    assert clean_caption(raw) == "DUSK The new bridge at dusk  & lit."
+    assert clean_caption("Christie&apos;s <strong>SALE</strong> [To be titled], 2015.") == "Christie's SALE , 2015."
+    (tmp_path / "captioning_dataset.json").write_text(json.dumps(
+        {"a1": {"article": "Text.", "headline": {"main": "H"}, "images": {"0": raw, "1": "[only a note]"}}}))
+    (tmp_path / "img_splits.json").write_text(json.dumps({"a1_0.jpg": "test", "a1_1.jpg": "test"}))
+    got = load_goodnews(tmp_path, "test")
+    assert [s.caption for s in got] == ["DUSK The new bridge at dusk  & lit."]  # an empty caption is dropped
+    assert load_goodnews(tmp_path, "test", clean_captions=False)[0].caption == raw.strip()
+
+
+def test_goodnews_objects_where_present():
+    got = load_goodnews(FIX / "goodnews", objects=FIX / "goodnews" / "goodnews_objects.archive.gz")
+    by_id = {s.id: s for s in got}
+    o = by_id["5a1b2c_0"].extra["objects"]
+    assert o.dtype == np.float32 and o.shape == (2, 2048) and o[1, 7] == 0.75
+    assert "objects" not in by_id["5a1b2c_1"].extra
+
+
+def test_bad_shipped_vectors_are_one_line_errors():
+    from tellkit.data.nytimes import vectors
+
+    with pytest.raises(TellkitError, match="2048"):
+        vectors([[1.0, 2.0]], 2048, 64, "objects of image x")
+    assert vectors([[0.0] * 4] * 70, 4, 64, "x").shape == (64, 4)
 
 
 def test_coco_official_and_karpathy():

@@ -6,13 +6,24 @@
 - images: ``<root>/<images_dir>/<article id>_<index>.jpg``
 
 The split is per caption, so test captions can share an article with training captions (as
-in the reference). GoodNews gives no image position: context is the article from its start.
+in the reference). GoodNews gives no image position: the context is ``title + "\n\n" +
+article`` from its start (:mod:`tellkit.encoders.context`); ``sample.paragraphs`` are the
+article's blank-line-separated blocks as stored, so joining them gives the article back.
+
+Captions are cleaned as the reference cleaned them before training and scoring: HTML removed
+(tags dropped, entities decoded) and every ``[...]`` annotation deleted, then stripped
+(``clean_captions=False`` keeps them raw).
+
+``objects``: a mongodump archive holding ``goodnews.objects`` (``_id`` = ``<article id>_<index>``,
+``object_features``), as the reference's YOLOv3 pass wrote it; its vectors become
+``sample.extra["objects"]`` (float32 [O, 2048]). The public release ships none.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +31,29 @@ from tellkit.data.sample import CaptionSample
 from tellkit.errors import TellkitError
 
 IMAGE_DIRS = ("images", "resized", "images_processed", ".")
-_PARA = re.compile(r"\n\s*\n|\n")
+_BRACKETS = re.compile(r"\[[^]]*\]")
+
+
+class _Text(HTMLParser):
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+
+    def handle_data(self, data: str) -> None:
+        self.parts.append(data)
+
+
+def strip_html(text: str) -> str:
+    """The text of an HTML fragment: tags dropped, entities decoded."""
+    p = _Text()
+    p.feed(text)
+    p.close()
+    return "".join(p.parts)
+
+
+def clean_caption(text: str) -> str:
+    """The reference's caption cleaning: strip, HTML to text, ``[...]`` removed, strip."""
+    return _BRACKETS.sub("", strip_html(text.strip())).strip()
 
 
 def _read_json(path: Path) -> Any:
@@ -34,7 +67,8 @@ def _read_json(path: Path) -> Any:
 
 
 def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_dir: str | None = None,
-                  limit: int | None = None) -> list[CaptionSample]:
+                  limit: int | None = None, clean_captions: bool = True,
+                  objects: str | os.PathLike | None = None) -> list[CaptionSample]:
     root = Path(root)
     articles = _read_json(root / "captioning_dataset.json")
     splits = _read_json(root / "img_splits.json")
@@ -47,19 +81,27 @@ def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_d
     for aid, art in articles.items():
         headline = art.get("headline") or {}
         title = headline.get("main", "") if isinstance(headline, dict) else str(headline)
-        paragraphs = [p.strip() for p in _PARA.split(art.get("article") or "") if p.strip()]
+        article = (art.get("article") or "").strip()
+        paragraphs = article.split("\n\n") if article else []
         for idx, caption in sorted((art.get("images") or {}).items(), key=lambda kv: int(kv[0]) if str(kv[0]).isdigit() else 0):
             name = f"{aid}_{idx}"
             s = split_of.get(name)
-            if s is None or (split is not None and s != split) or not (caption or "").strip():
+            caption = clean_caption(caption or "") if clean_captions else (caption or "").strip()
+            if s is None or (split is not None and s != split) or not caption:
                 continue
             out.append(CaptionSample(
-                id=name, caption=caption.strip(), image_path=str(img_dir / f"{name}.jpg"), image_id=name,
+                id=name, caption=caption, image_path=str(img_dir / f"{name}.jpg"), image_id=name,
                 article_id=str(aid), title=(title or "").strip(), paragraphs=paragraphs, image_position=None,
                 split=s, source="goodnews", extra={"url": art.get("article_url")} if art.get("article_url") else {},
             ))
             if limit is not None and len(out) >= limit:
-                return out
+                break
+        if limit is not None and len(out) >= limit:
+            break
     if not out:
         raise TellkitError(f"{root}: no GoodNews captions for split {split!r}")
+    if objects is not None:
+        from tellkit.data.nytimes import attach_objects, read_archive_objects
+
+        attach_objects(out, read_archive_objects(objects, {x.image_id for x in out}, "goodnews"))
     return out

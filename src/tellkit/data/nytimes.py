@@ -6,10 +6,20 @@ Read it straight from the ``mongodump --archive --gzip`` file (no server, no 61 
 Collection ``articles``: ``_id``, ``split`` (train / valid / test), ``headline.main``,
 ``image_positions`` (indices into ``parsed_section``), ``parsed_section``: a list of
 ``{"type": "paragraph" | "caption", "text", "hash", "facenet_details": {"embeddings": ...}}``.
-Each caption section gives one sample; its image is ``<image_root>/<hash>.jpg``; its position
-among the article's paragraphs is the number of paragraphs that precede it. Precomputed FaceNet
-embeddings and named entities, when present, are kept in ``sample.extra``. Collection
-``objects`` (``_id`` = image hash, ``object_features``) is read when ``objects=True``.
+Each caption section gives one sample; its image is ``<image_root>/<hash>.jpg`` (the released
+``images_processed`` are already resized to 256 and centre-cropped to 224); its paragraphs are
+:func:`tellkit.encoders.context.split_parsed_section`'s (other captions as empty slots).
+
+What a sample carries in ``sample.extra`` (float32 numpy arrays, as the reference fed them):
+
+- ``faces`` [F, 512]: the shipped FaceNet embeddings of the caption section, the first
+  ``max_faces`` (4; they are stored largest first), present whenever the section has
+  ``facenet_details`` (F = 0: the data set found no face), absent otherwise;
+- ``objects`` [O, 2048]: with ``objects=True``, the image's document in collection ``objects``
+  (``_id`` = image hash, ``object_features``: up to 64 YOLOv3 boxes through ResNet-152),
+  at most ``max_objects``; O = 0 when the collection has the image with no box, absent when it
+  does not have the image;
+- ``named_entities``: the section's entities, when present.
 """
 from __future__ import annotations
 
@@ -17,13 +27,34 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import numpy as np
+
 from tellkit.data.sample import CaptionSample
 from tellkit.errors import TellkitError
 
 SPLITS = {"train": "train", "valid": "val", "val": "val", "test": "test"}
+MAX_FACES = 4  # the reference keeps the four largest faces
+MAX_OBJECTS = 64  # the reference's YOLOv3 pass stores at most 64 boxes
+FACE_DIM, OBJECT_DIM = 512, 2048
 
 
-def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike | None = None) -> Iterator[CaptionSample]:
+def vectors(value: Any, dim: int, limit: int | None, what: str) -> np.ndarray:
+    """A list of vectors (or an array) as float32 [N, dim], at most ``limit`` rows."""
+    if value is None or (hasattr(value, "__len__") and len(value) == 0):
+        return np.zeros((0, dim), np.float32)
+    try:
+        a = np.asarray(value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise TellkitError(f"{what}: not a list of {dim}-d vectors ({exc})") from None
+    if a.ndim != 2 or a.shape[1] != dim:
+        raise TellkitError(f"{what}: expected vectors of {dim} numbers, got shape {a.shape}")
+    return np.ascontiguousarray(a[:limit] if limit is not None else a)
+
+
+def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike | None = None,
+                         objects: dict[str, Any] | None = None, max_faces: int = MAX_FACES,
+                         max_objects: int = MAX_OBJECTS) -> Iterator[CaptionSample]:
+    """The article's samples; ``objects``: image hash -> object features (collection ``objects``)."""
     from tellkit.encoders.context import split_parsed_section
 
     sections = article.get("parsed_section") or []
@@ -39,9 +70,12 @@ def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike 
             continue
         paragraphs, image_index = split_parsed_section(sections, pos)
         extra: dict[str, Any] = {}
-        faces = (sec.get("facenet_details") or {}).get("embeddings")
-        if faces:
-            extra["faces"] = faces
+        if isinstance(sec.get("facenet_details"), dict):
+            extra["faces"] = vectors(sec["facenet_details"].get("embeddings"), FACE_DIM, max_faces,
+                                     f"faces of image {sec['hash']}")
+        if objects is not None and str(sec["hash"]) in objects:
+            extra["objects"] = vectors(objects[str(sec["hash"])], OBJECT_DIM, max_objects,
+                                       f"objects of image {sec['hash']}")
         if sec.get("named_entities"):
             extra["named_entities"] = sec["named_entities"]
         yield CaptionSample(
@@ -59,12 +93,13 @@ def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike 
         )
 
 
-def _collect(articles: Iterable[dict[str, Any]], split: str | None, image_root, limit: int | None) -> list[CaptionSample]:
+def _collect(articles: Iterable[dict[str, Any]], split: str | None, image_root, limit: int | None,
+             objects: dict[str, Any] | None = None) -> list[CaptionSample]:
     out: list[CaptionSample] = []
     for art in articles:
         if split is not None and SPLITS.get(str(art.get("split", ""))) != split:
             continue
-        out.extend(samples_from_article(art, image_root))
+        out.extend(samples_from_article(art, image_root, objects))
         if limit is not None and len(out) >= limit:
             return out[:limit]
     return out
@@ -79,27 +114,36 @@ def load_nytimes_archive(
     objects: bool = False,
     limit: int | None = None,
 ) -> list[CaptionSample]:
-    """Samples of ``split`` (None = all) from a mongodump archive of the ``nytimes`` database."""
+    """Samples of ``split`` (None = all) from a mongodump archive of the ``nytimes`` database.
+    With ``objects``, a second pass reads collection ``objects`` for the chosen images only
+    (each document is 64 x 2048 numbers at most: only the needed ones are kept)."""
     from tellkit.data.mongo_archive import iter_documents
 
-    wanted = {f"{db}.articles"} | ({f"{db}.objects"} if objects else set())
-    object_feats: dict[str, Any] = {}
-
-    def articles():
-        for ns, doc in iter_documents(path, wanted, skip_fields=("parts_of_speech",)):  # unused, bulky
-            if ns.endswith(".objects"):
-                object_feats[str(doc.get("_id"))] = doc.get("object_features")
-            else:
-                yield doc
-
-    samples = _collect(articles(), split, image_root, limit)
+    docs = (doc for _, doc in iter_documents(path, {f"{db}.articles"}, skip_fields=("parts_of_speech",)))
+    samples = _collect(docs, split, image_root, limit)
     if not samples and limit != 0:
         raise TellkitError(f"{path}: no {split or ''} captions in {db}.articles".replace("  ", " "))
     if objects:
-        for s in samples:
-            if s.image_id in object_feats:
-                s.extra["objects"] = object_feats[s.image_id]
+        attach_objects(samples, read_archive_objects(path, {s.image_id for s in samples}, db))
     return samples
+
+
+def read_archive_objects(path: str | os.PathLike, hashes: set[str] | None, db: str) -> dict[str, np.ndarray]:
+    """Image hash -> float32 [O, 2048] from collection ``<db>.objects`` of a mongodump archive."""
+    from tellkit.data.mongo_archive import iter_documents
+
+    out: dict[str, np.ndarray] = {}
+    for _, doc in iter_documents(path, {f"{db}.objects"}, skip_fields=("confidences", "classes")):
+        key = str(doc.get("_id"))
+        if hashes is None or key in hashes:
+            out[key] = vectors(doc.get("object_features"), OBJECT_DIM, MAX_OBJECTS, f"objects of image {key}")
+    return out
+
+
+def attach_objects(samples: list[CaptionSample], objects: dict[str, np.ndarray]) -> None:
+    for s in samples:
+        if s.image_id in objects:
+            s.extra["objects"] = objects[s.image_id]
 
 
 def load_nytimes_mongo(
@@ -108,11 +152,13 @@ def load_nytimes_mongo(
     image_root: str | os.PathLike | None = None,
     *,
     db: str = "nytimes",
+    objects: bool = False,
     limit: int | None = None,
     client=None,
 ) -> list[CaptionSample]:
     """Samples from a running MongoDB (``mongodb://host:27017``); needs ``tellkit[mongo]``.
-    ``client``: an already connected client (tests pass a stand-in)."""
+    ``objects``: also read collection ``objects`` for the chosen images. ``client``: an already
+    connected client (tests pass a stand-in)."""
     if client is None:
         from tellkit.utils.optional import require
 
@@ -124,7 +170,17 @@ def load_nytimes_mongo(
     projection = ["_id", "split", "headline", "image_positions", "parsed_section"]
     try:
         cursor = client[db]["articles"].find(query, projection=projection)
-        return _collect(cursor, split, image_root, limit)
+        samples = _collect(cursor, split, image_root, limit)
+        if objects and samples:
+            wanted = sorted({s.image_id for s in samples})
+            found: dict[str, np.ndarray] = {}
+            for start in range(0, len(wanted), 1000):  # bounded queries
+                chunk = wanted[start:start + 1000]
+                for doc in client[db]["objects"].find({"_id": {"$in": chunk}}, projection=["_id", "object_features"]):
+                    key = str(doc.get("_id"))
+                    found[key] = vectors(doc.get("object_features"), OBJECT_DIM, MAX_OBJECTS, f"objects of image {key}")
+            attach_objects(samples, found)
+        return samples
     except Exception as exc:  # pymongo.errors.PyMongoError: unreachable server, auth, ...
         if type(exc).__module__.startswith("pymongo"):
             raise TellkitError(f"MongoDB {uri}: {exc}") from exc

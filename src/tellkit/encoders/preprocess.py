@@ -16,6 +16,13 @@ The transform follows the recipe that ImageNet CNNs (and the paper's ResNet-152)
 with: resize the short side to 256 (bilinear, antialiased; the long side is truncated to an int
 as torchvision does), centre crop 224 (offsets rounded as torchvision does), scale to [0, 1],
 normalise with the ImageNet mean/std.
+
+Resize and crop happen once. An image that is already ``crop`` x ``crop`` is taken as prepared
+and only normalised: NYTimes800k's ``images_processed`` were resized to 256 and centre-cropped
+to 224 before release, and the reference fed them to ResNet-152 as they are (resizing them to
+256 and cropping again would show the model only their central 196 pixels).
+``prepared="never"`` always resizes and crops; ``resample="lanczos"`` resizes as the
+reference's own image preparation did (PIL's ANTIALIAS filter).
 """
 from __future__ import annotations
 
@@ -106,7 +113,10 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.
         raise ImageLoadError(f"{p}: corrupt or truncated image ({msg})", "corrupt or truncated") from None
 
 
-def resize_short_side(img: Image.Image, size: int) -> Image.Image:
+RESAMPLE = {"bilinear": Image.BILINEAR, "lanczos": Image.LANCZOS, "bicubic": Image.BICUBIC}
+
+
+def resize_short_side(img: Image.Image, size: int, resample: str = "bilinear") -> Image.Image:
     """Resize so that the short side is ``size`` (long side truncated to int, as torchvision)."""
     w, h = img.size
     if min(w, h) == size:
@@ -115,7 +125,7 @@ def resize_short_side(img: Image.Image, size: int) -> Image.Image:
         new = (size, int(size * h / w))
     else:
         new = (int(size * w / h), size)
-    return img.resize(new, Image.BILINEAR)  # PIL's bilinear antialiases when shrinking
+    return img.resize(new, RESAMPLE[resample])  # PIL's filters antialias when shrinking
 
 
 def center_crop(img: Image.Image, size: int) -> Image.Image:
@@ -138,17 +148,30 @@ def to_tensor(img: Image.Image, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.T
 
 
 class ImageNetTransform:
-    """PIL image -> float[3, crop, crop]: resize short side, centre crop, normalise."""
+    """PIL image -> float[3, crop, crop]: resize short side, centre crop, normalise; an image
+    already ``crop`` x ``crop`` is only normalised (``prepared="auto"``, see the module docstring)."""
 
-    def __init__(self, resize: int = 256, crop: int = 224, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    def __init__(self, resize: int = 256, crop: int = 224, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                 prepared: str = "auto", resample: str = "bilinear"):
+        if prepared not in ("auto", "never"):
+            raise ValueError(f"prepared must be 'auto' or 'never', got {prepared!r}")
+        if resample not in RESAMPLE:
+            raise ValueError(f"resample must be one of {sorted(RESAMPLE)}, got {resample!r}")
         self.resize, self.crop, self.mean, self.std = resize, crop, mean, std
+        self.prepared, self.resample = prepared, resample
+
+    def is_prepared(self, img: Image.Image) -> bool:
+        return self.prepared == "auto" and img.size == (self.crop, self.crop)
 
     def __call__(self, img: Image.Image) -> torch.Tensor:
-        img = center_crop(resize_short_side(to_rgb(img), self.resize), self.crop)
+        img = to_rgb(img)
+        if not self.is_prepared(img):
+            img = center_crop(resize_short_side(img, self.resize, self.resample), self.crop)
         return to_tensor(img, self.mean, self.std)
 
     def batch(self, images: list[Image.Image]) -> torch.Tensor:
         return torch.stack([self(im) for im in images]) if images else torch.empty(0, 3, self.crop, self.crop)
 
     def __repr__(self) -> str:
-        return f"ImageNetTransform(resize={self.resize}, crop={self.crop})"
+        return (f"ImageNetTransform(resize={self.resize}, crop={self.crop}, prepared={self.prepared!r}, "
+                f"resample={self.resample!r})")

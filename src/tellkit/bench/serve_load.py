@@ -1,7 +1,9 @@
 """Bounded load test of ``tellkit serve`` over loopback: a fixed number of caption and math
 requests from several concurrent clients, one in eight of them a bad request that must get its
 4xx; throughput, latency percentiles (good requests), errors (must be zero) and the server's
-peak memory, with request batching on (``--max-batch 8``) and off (``--max-batch 1``).
+peak memory, with request batching on (``--max-batch 8``) and off (``--max-batch 1``); then the
+server's peak memory while it decodes concurrent large uploads (a 16-bit 4000x4000 PNG of ~40 KB,
+16 M pixels: the largest the default pixel cap admits).
 
 The server runs as its own process (``python -m tellkit serve --api-only``, bound to 127.0.0.1),
 so its peak resident memory is read exactly from ``/proc/<pid>/status`` (VmHWM) and the client
@@ -99,6 +101,49 @@ def _start_server(model_args: list[str], max_batch: int, threads: int) -> tuple[
     raise RuntimeError("the server did not answer /health within 180 s")
 
 
+def large_png(width: int = 4000, height: int = 4000) -> bytes:
+    """A small file that decodes to a large bitmap: 16-bit grayscale, a sparse grid of dots."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    a = np.zeros((height, width), np.uint16)
+    a[::7, ::5] = 60000
+    buf = io.BytesIO()
+    Image.fromarray(a).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def reset_peak(pid: int) -> bool:
+    """Reset the process's peak resident memory (VmHWM) to its current RSS (Linux >= 4.0)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def large_upload_peak(url: str, pid: int, n: int = 16, path: str = "/api/recognize", data: bytes | None = None,
+                      timeout: float = 120.0) -> dict[str, Any]:
+    """Send ``n`` large uploads at once; -> the server's resident memory before and its peak while
+    answering (MiB), and the status codes."""
+    from tellkit.server.runner import post
+
+    data = data if data is not None else large_png()
+    if not reset_peak(pid):
+        raise RuntimeError(f"cannot reset the peak memory of process {pid} (/proc/{pid}/clear_refs)")
+    before = _proc_status(pid)
+    with ThreadPoolExecutor(n) as pool:
+        statuses = list(pool.map(lambda _: post(url + path, files={"image": ("large.png", data, "image/png")},
+                                                timeout=timeout)[0], range(n)))
+    after = _proc_status(pid)
+    return {"uploads": n, "upload_bytes": len(data), "path": path, "rss_before_mib": before["VmRSS"],
+            "peak_rss_mib": after["VmHWM"], "peak_growth_mib": after["VmHWM"] - before["VmRSS"],
+            "statuses": sorted(set(statuses)), "status_counts": {s: statuses.count(s) for s in sorted(set(statuses))}}
+
+
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -181,6 +226,8 @@ def run(quick: bool = False, device: str = "cpu", requests: int | None = None, c
             stats = load_once(url, n, concurrency, photos, math, bad_every=8)
             after = _proc_status(proc.pid)
             workers = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["workers"]
+            if label == "batched":
+                result["large_uploads"] = large_upload_peak(url, proc.pid, n=16)
         finally:
             _stop(proc)
         stats["memory_mib"] = {"rss_after_load_models": idle["VmRSS"], "rss_after_warmup": warm["VmRSS"],
@@ -216,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, r in res["runs"].items():
         print(f"{label}: {r['throughput_rps']} req/s ({r['bad_requests']['sent']} bad), p50 {r['latency'].get('p50_ms')} ms, p99 {r['latency'].get('p99_ms')} ms, "
               f"errors {r['errors']}, peak RSS {r['memory_mib']['peak_rss']} MiB")
+    big = res.get("large_uploads")
+    if big:
+        print(f"{big['uploads']} concurrent {big['upload_bytes']:,}-byte 16-bit 4000x4000 PNGs: RSS {big['rss_before_mib']} -> "
+              f"peak {big['peak_rss_mib']} MiB, statuses {big['status_counts']}")
     print(f"wrote {out / 'serve_load.json'}")
     return 0 if res["total_errors"] == 0 else 1
 

@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -285,7 +285,6 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import FileResponse, JSONResponse
     from fastapi.staticfiles import StaticFiles
-    from starlette.concurrency import run_in_threadpool
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     limits = limits or Limits()
@@ -299,11 +298,14 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     models = {"caption": captioner.info if captioner is not None else None,
               "math": recognizer.info if recognizer is not None else None}
 
+    decoders = ThreadPoolExecutor(limits.max_decoding, thread_name_prefix="tellkit-decode")
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         for w in workers.values():  # stop the model threads when the server stops
             w.close()
+        decoders.shutdown(wait=False, cancel_futures=True)
 
     extra = {}
     if "form_limits" in inspect.signature(fastapi.FastAPI).parameters:
@@ -365,16 +367,17 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
             log.exception("%s model failed", name)
             raise RequestError(500, "model_error", f"the {name} model failed: {type(exc).__name__}: {exc}") from None
 
-    decoding = threading.BoundedSemaphore(limits.max_decoding)
-
     def prepare(upload, max_side: int):
-        with decoding:  # at most max_decoding full-size bitmaps in memory at once
-            upload.file.seek(0)
-            return decode_image(upload.file, limits, upload.content_type, max_side)
+        upload.file.seek(0)
+        return decode_image(upload.file, limits, upload.content_type, max_side)
 
     async def read_image(upload, max_side: int) -> Any:
-        # the upload is read from the form parser's spooled file (on disk past 1 MiB), not copied
-        return await run_in_threadpool(prepare, upload, max_side)
+        # Decoded on max_decoding dedicated threads: at most that many full-size bitmaps exist at
+        # once, and only those threads' malloc arenas ever hold one (on a shared pool of 40
+        # threads each arena keeps its own freed bitmap: measured 466 vs 166 MiB peak growth for
+        # 8 concurrent 16 M-pixel uploads). The upload is read from the form parser's spooled
+        # file (on disk past 1 MiB), not copied into memory first.
+        return await asyncio.wrap_future(decoders.submit(prepare, upload, max_side))
 
     from pydantic import BaseModel
 

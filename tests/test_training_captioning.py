@@ -74,7 +74,8 @@ def recipe(tmp_path, **train):
     r = load_yaml("tat/tiny")
     return deep_merge(r, {
         "model": {"face_dim": 512},
-        "data": {"format": "goodnews", "root": str(FIX / "goodnews"), "context": "first_tokens", "features": str(tmp_path / "feats")},
+        "data": {"format": "goodnews", "root": str(FIX / "goodnews"), "context": "first_tokens",
+                 "features": str(tmp_path / "feats")},
         "train": {"max_steps": 4, "max_epochs": 10, "lr": 1e-3, "log_every": 1, **train},
         "eval": {"metrics": ["bleu", "rouge", "cider"], "ner": False, "max_len": 6},
     })
@@ -88,7 +89,8 @@ def test_feature_cache_and_collate(tmp_path, fake_encoders):
     assert FakeBundle.built == 1 and len(again) == 1
     item = ds[0]
     assert item["caption"][0] == 0 and item["caption"][-1] == 2  # <s> ... </s>
-    assert task.tokenizer.decode(item["caption"][1:-1].tolist()) == "Mayor Jane Doe cuts the ribbon in Albany on Monday."
+    expected = "Mayor Jane Doe cuts the ribbon in Albany on Monday."
+    assert task.tokenizer.decode(item["caption"][1:-1].tolist()) == expected
     assert item["article"].shape[0] == 3 and item["article"].shape[1] > 5 and item["faces"].shape == (1, 512)
     b = collate_captions([item, {**item, "faces": torch.zeros(0, 512), "caption": item["caption"][:3]}], task.contexts)
     assert b["caption"].shape == (2, len(item["caption"])) and b["caption"][1, 3:].eq(1).all()
@@ -156,16 +158,21 @@ def test_train_then_evaluate_through_the_cli(tmp_path, fake_encoders):
     assert s["steps"] == 4 and s["best"] is not None
     from tellkit.cli import main
 
-    assert main(["evaluate", str(tmp_path / "run"), "--data", str(FIX / "goodnews"), "--split", "test", "--no-progress"]) == 0
+    argv = ["evaluate", str(tmp_path / "run"), "--data", str(FIX / "goodnews"), "--split", "test", "--no-progress"]
+    assert main(argv) == 0
     out = tmp_path / "run" / "eval"
     summary = json.loads((out / "metrics_test.json").read_text())
-    assert summary["n"] == 1 and {"bleu4", "rouge_l", "cider", "length", "ttr", "flesch", "loss"} <= set(summary["metrics"])
+    assert summary["n"] == 1
+    assert {"bleu4", "rouge_l", "cider", "length", "ttr", "flesch", "loss"} <= set(summary["metrics"])
     row = json.loads((out / "predictions_test.jsonl").read_text())
     assert row["id"] == "5a1b2c_1" and row["references"] == ["The new bridge at dusk."] and "cider" in row["scores"]
     assert isinstance(row["prediction"], str)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / "tat").glob("*.yaml")))
+TAT_RECIPES = Path(__file__).resolve().parents[1] / "configs" / "tat"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in TAT_RECIPES.glob("*.yaml")))
 def test_tat_recipes_are_valid(name):
     """Every Transform and Tell recipe: its train section is a valid TrainConfig, its task exists
     and its model builds (on the meta device: no memory)."""

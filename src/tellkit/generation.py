@@ -12,8 +12,9 @@ field with :meth:`GenerationConfig.updated`::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tellkit.config import from_dict
 from tellkit.errors import TellkitError

@@ -1,9 +1,9 @@
 """`tellkit demo` (what `make demo` runs): caption the packaged sample inputs with the default
 captioning model, then read the packaged handwritten-math sample with the default BTTR model.
 The samples (``tellkit/assets/demo_caption``, see its SOURCES.md; the math sample is
-``tellkit.pipelines.recognition.SAMPLE_PATH``, drawn from hand-made pen strokes) are free to redistribute; each image is captioned with its
-article when it has one (``<name>.txt``). Until a default captioning model is installed, an
-untrained tiny model runs instead, and says so."""
+``tellkit.pipelines.recognition.SAMPLE_PATH``, drawn from hand-made pen strokes) are free to
+redistribute; each image is captioned with its article when it has one (``<name>.txt``). Until a
+default captioning model is installed, an untrained tiny model runs instead, and says so."""
 from __future__ import annotations
 
 NAME = "demo"
@@ -26,7 +26,8 @@ def run(args) -> int:
     from tellkit.tasks.captioning import DEFAULT_CHECKPOINT
 
     samples = Path(__file__).resolve().parents[1] / "assets" / "demo_caption"
-    checkpoint = args.checkpoint or (str(DEFAULT_CHECKPOINT) if (DEFAULT_CHECKPOINT / "model.safetensors").is_file() else None)
+    installed = (DEFAULT_CHECKPOINT / "model.safetensors").is_file()
+    checkpoint = args.checkpoint or (str(DEFAULT_CHECKPOINT) if installed else None)
     if checkpoint:
         captioner = CaptioningPipeline.load(checkpoint, device=args.device)
         print(f"tellkit demo: captioning with {checkpoint}")

@@ -26,11 +26,13 @@ def add_arguments(p) -> None:
     p.add_argument("--image-encoder", help="mobilenet_v2 (offline default), resnet50/101/152")
     p.add_argument("--image-weights", help="torchvision-layout state dict for the image encoder")
     p.add_argument("--no-faces", action="store_true", help="skip face detection and embedding")
-    p.add_argument("--facenet-weights", help="facenet-pytorch-layout FaceNet file (e.g. VGGFace2); default: packaged CASIA-WebFace")
+    p.add_argument("--facenet-weights",
+                   help="facenet-pytorch-layout FaceNet file (e.g. VGGFace2); default: packaged CASIA-WebFace")
     p.add_argument("--max-faces", type=int, help="most faces kept per image, largest first (default: 4)")
     p.add_argument("--article", action="store_true", help="also store article hidden states (all layers; large)")
-    p.add_argument("--article-encoder", help="Hugging Face name or folder (default: packaged all-MiniLM-L6-v2), or static word "
-                   "vectors: static (MiniLM input embeddings), static:NAME, glove:PATH")
+    p.add_argument("--article-encoder",
+                   help="Hugging Face name or folder (default: packaged all-MiniLM-L6-v2), or static word "
+                        "vectors: static (MiniLM input embeddings), static:NAME, glove:PATH")
     p.add_argument("--max-article-tokens", type=int, default=512,
                    help="the article encoder's token budget, special tokens included (default: 512)")
     p.add_argument("--objects", action="store_true",

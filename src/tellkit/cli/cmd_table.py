@@ -90,7 +90,8 @@ def feature_key(recipe) -> str:
     import json
 
     data = {k: v for k, v in (recipe.get("data") or {}).items() if k != "features"}
-    what = {"encoders": recipe.get("encoders") or {}, "contexts": (recipe.get("model") or {}).get("contexts"), "data": data}
+    what = {"encoders": recipe.get("encoders") or {}, "contexts": (recipe.get("model") or {}).get("contexts"),
+            "data": data}
     return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -156,7 +157,8 @@ def run_row(path, args, log) -> dict:
         ev = recipe.get("eval") or {}
         bs = int(ev.get("batch_size") or (recipe.get("train") or {}).get("batch_size") or 16)
         metrics, preds = run_eval(task, model, dataset, args.split, info, batch_size=bs, progress=args.progress)
-        write_eval_outputs(run_dir / "eval", args.split, metrics, preds, {"checkpoint": str(ckpt), "task": recipe["task"]})
+        write_eval_outputs(run_dir / "eval", args.split, metrics, preds,
+                           {"checkpoint": str(ckpt), "task": recipe["task"]})
     finally:
         distributed.teardown(info)
     row = {
@@ -164,8 +166,8 @@ def run_row(path, args, log) -> dict:
         "params": model.num_parameters(trainable_only=True), "steps": summary["steps"],
         "train_seconds": round(t_train, 1), "eval_seconds": round(time.time() - t0, 1), "split": args.split,
         "n": len(preds), "best_val": summary["best"], "monitor": summary["monitor"], "metrics": metrics,
-        "example": {"prediction": preds[0].get("prediction"), "reference": (preds[0].get("references") or [preds[0].get("reference")])[0]}
-        if preds else None,
+        "example": {"prediction": preds[0].get("prediction"),
+                    "reference": (preds[0].get("references") or [preds[0].get("reference")])[0]} if preds else None,
     }
     from tellkit.checkpoint import atomic_write_json
 
@@ -191,7 +193,8 @@ def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     for r in rows:
         if "error" in r:
-            lines.append("| " + " | ".join([r["row"], "failed: " + r["error"].replace("|", "/")] + [""] * (len(head) - 2)) + " |")
+            cells = [r["row"], "failed: " + r["error"].replace("|", "/")] + [""] * (len(head) - 2)
+            lines.append("| " + " | ".join(cells) + " |")
             continue
         cells = [r["row"]]
         cells += [f"{r['metrics'][k]:.2f}" if k in r["metrics"] else "" for k, _ in columns]

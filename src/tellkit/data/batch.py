@@ -15,12 +15,14 @@ captioning model (``transform_and_tell``, ``show_tell``, ``show_attend_tell``,
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, TypedDict
+from collections.abc import Sequence
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
 
 from tellkit.errors import TellkitError
+
 
 class CaptionItem(TypedDict, total=False):
     """One encoded sample, unpadded (what a captioning dataset's ``__getitem__`` returns).

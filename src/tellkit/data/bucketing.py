@@ -12,7 +12,7 @@ gets a batch of one. Deterministic given (seed, epoch).
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def bucket_batches(lengths: Sequence[int], batch_size: int, max_tokens: int | None = None, *, shuffle: bool = True,

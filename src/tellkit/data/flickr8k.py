@@ -36,7 +36,8 @@ def read_captions(path: str | os.PathLike) -> list[tuple[str, str]]:
     return out
 
 
-def split_images(names: list[str], seed: int = SPLIT_SEED, fractions: tuple[float, float, float] = FRACTIONS) -> dict[str, str]:
+def split_images(names: list[str], seed: int = SPLIT_SEED,
+                 fractions: tuple[float, float, float] = FRACTIONS) -> dict[str, str]:
     order = sorted(set(names))
     random.Random(seed).shuffle(order)
     n_train = int(round(fractions[0] * len(order)))

@@ -33,7 +33,8 @@ class Hypothesis:
     log_prob: float  # sum of token log-probabilities (including EOS when finished by EOS)
 
 
-def _constrain(lp: torch.Tensor, step: int, *, eos_id: int, bos_id: int, pad_id: int, min_len: int, max_len: int) -> None:
+def _constrain(lp: torch.Tensor, step: int, *, eos_id: int, bos_id: int, pad_id: int, min_len: int,
+               max_len: int) -> None:
     """In place: forbid BOS/PAD always, EOS before ``min_len`` tokens, anything but EOS at the last step."""
     lp[:, pad_id] = float("-inf")
     if bos_id != eos_id:
@@ -74,8 +75,8 @@ def greedy_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, 
         _ban_repeated_ngrams(lp, tokens, no_repeat_ngram_size)
         best_lp, best = lp.max(dim=-1)
         done = best == eos_id
-        for row, (b, tok, l) in enumerate(zip(alive.tolist(), best.tolist(), best_lp.tolist())):
-            out_lp[b] += l
+        for b, tok, tok_lp in zip(alive.tolist(), best.tolist(), best_lp.tolist()):
+            out_lp[b] += tok_lp
             if tok != eos_id:
                 out_tokens[b].append(tok)
         tokens = torch.cat([tokens, best[:, None]], dim=1)
@@ -85,7 +86,7 @@ def greedy_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, 
                 break
             decoder.reorder(keep)
             tokens, alive = tokens[keep], alive[keep]
-    return [Hypothesis(t, l / max(len(t) + 1, 1), l) for t, l in zip(out_tokens, out_lp)]
+    return [Hypothesis(t, lp / max(len(t) + 1, 1), lp) for t, lp in zip(out_tokens, out_lp)]
 
 
 @torch.no_grad()

@@ -18,8 +18,9 @@ the objects context. No object detector ships, so a new image's objects context 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -147,14 +148,16 @@ class EncoderBundle:
             raise TellkitError(f"encoders.faces={c.faces!r} needs encoders.face_weights (a file); "
                                f"the offline default is {DEFAULT_FACE_ENCODER}")
         kw = {"standardization": c.face_standardization} if c.face_standardization else {}
-        return self._shared(("faces", c.face_weights, c.max_faces, c.face_standardization),
-                            lambda: FaceEncoder(facenet_weights=c.face_weights, max_faces=c.max_faces, **kw).to(self.device))
+        return self._shared(
+            ("faces", c.face_weights, c.max_faces, c.face_standardization),
+            lambda: FaceEncoder(facenet_weights=c.face_weights, max_faces=c.max_faces, **kw).to(self.device))
 
     def check_model(self, model_config) -> None:
         """Refuse a model whose context sizes differ from what these encoders give."""
         cfg = model_config
-        if "image" in self.contexts and self.image_encoder.out_dim != cfg.image_dim:
-            raise TellkitError(f"image encoder {self.image_encoder.name} gives {self.image_encoder.out_dim}-d features; "
+        img = self.image_encoder if "image" in self.contexts else None
+        if img is not None and img.out_dim != cfg.image_dim:
+            raise TellkitError(f"image encoder {img.name} gives {img.out_dim}-d features; "
                                f"the model expects image_dim={cfg.image_dim}")
         if "article" in self.contexts:
             enc = self.article_encoder
@@ -204,7 +207,8 @@ class EncoderBundle:
                 item.update(self._faces(inp, pil, details))
         if "objects" in self.contexts:
             for item, inp in zip(items, inputs):
-                item["objects"] = _as_set(inp.objects if inp.objects is not None else [], self.object_dim, None, "objects")
+                given = inp.objects if inp.objects is not None else []
+                item["objects"] = _as_set(given, self.object_dim, None, "objects")
                 if details:
                     item["objects_source"] = "precomputed" if inp.objects is not None else "none"
         if "article" in self.contexts:
@@ -226,7 +230,8 @@ class EncoderBundle:
         import hashlib
 
         c = self.config
-        keys = [("image", c.image, c.image_weights, p.size, p.mode, hashlib.sha1(p.tobytes()).hexdigest()) for p in pils]
+        keys = [("image", c.image, c.image_weights, p.size, p.mode, hashlib.sha1(p.tobytes()).hexdigest())
+                for p in pils]
         todo = [i for i, k in enumerate(keys) if k not in self.memo]
         if todo:
             feats = self.image_encoder.encode([pils[i] for i in todo])[0].cpu()

@@ -33,9 +33,9 @@ import json
 import os
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -138,7 +138,8 @@ def _bundle(cfg: FeatureConfig) -> EncoderBundle:
 
 
 def _encode_shard(items: Sequence[CaptionInput], bundle: EncoderBundle, cfg: FeatureConfig,
-                  on_item: Callable[[CaptionInput, str | None], None]) -> tuple[dict[str, torch.Tensor], list[str], list[dict]]:
+                  on_item: Callable[[CaptionInput, str | None], None],
+                  ) -> tuple[dict[str, torch.Tensor], list[str], list[dict]]:
     dtype = getattr(torch, cfg.dtype)
     K = bundle.config.max_faces
     ids: list[str] = []

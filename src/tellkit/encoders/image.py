@@ -14,7 +14,7 @@ a torchvision-layout state dict (``.pth``/``.pt``/``.safetensors``), a state dic
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from PIL import Image
@@ -51,7 +51,7 @@ class ImageEncoder(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
-    def train(self, mode: bool = True) -> "ImageEncoder":  # frozen: BatchNorm stays in eval
+    def train(self, mode: bool = True) -> ImageEncoder:  # frozen: BatchNorm stays in eval
         return super().train(False)
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

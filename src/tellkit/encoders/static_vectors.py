@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -75,7 +75,7 @@ class StaticVectors:
     # --- construction -----------------------------------------------------------------------
     @classmethod
     def from_glove(cls, path: str | os.PathLike, *, vocabulary: Iterable[str] | None = None,
-                   max_words: int | None = None, lowercase: bool = True) -> "StaticVectors":
+                   max_words: int | None = None, lowercase: bool = True) -> StaticVectors:
         """Read a GloVe text file (``word v_1 ... v_d`` per line; a word2vec ``count dim`` header
         line is skipped). ``vocabulary``: keep only these words (saves memory on the 2.2M-word
         files); ``max_words``: keep the first N lines (GloVe files are sorted by frequency).
@@ -118,7 +118,7 @@ class StaticVectors:
         return cls(words, torch.tensor(rows), lowercase=lowercase, name=f"glove:{p.name}")
 
     @classmethod
-    def from_text_encoder(cls, name_or_path: str | os.PathLike | None = None) -> "StaticVectors":
+    def from_text_encoder(cls, name_or_path: str | os.PathLike | None = None) -> StaticVectors:
         """The input embedding matrix of a Hugging Face text encoder as a static table (offline
         default: the packaged all-MiniLM-L6-v2). Vocabulary: every token that is a whole word
         (no WordPiece '##' continuation, no special token), as the tokenizer normalises it."""
@@ -136,7 +136,8 @@ class StaticVectors:
         lowercase = bool(getattr(tokenizer, "do_lower_case", False)) or _normalizer_lowercases(tokenizer)
         words, ids = [], []
         for tok, i in sorted(vocab.items(), key=lambda kv: kv[1]):
-            if tok in specials or tok.startswith("##") or (tok.startswith("[") and tok.endswith("]")) or i >= table.size(0):
+            bracketed = tok.startswith("[") and tok.endswith("]")
+            if tok in specials or tok.startswith("##") or bracketed or i >= table.size(0):
                 continue
             word = tok[1:] if tok.startswith("\u0120") else tok  # byte-level BPE: 'Ġword' is ' word'
             if not word or (tok.startswith("<") and tok.endswith(">")):
@@ -153,11 +154,11 @@ class StaticVectors:
         return cls(list(uniq), table[list(uniq.values())], lowercase=lowercase, name=name)
 
     # --- the ArticleEncoder interface ---------------------------------------------------------
-    def to(self, device) -> "StaticVectors":
+    def to(self, device) -> StaticVectors:
         """Kept for the encoder interface: the table stays on the CPU (a look-up, no compute)."""
         return self
 
-    def eval(self) -> "StaticVectors":
+    def eval(self) -> StaticVectors:
         return self
 
     def lookup(self, text: str) -> list[tuple[int, int, int]]:
@@ -233,7 +234,8 @@ def _load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as exc:  # noqa: BLE001 - file errors of many kinds end up here
-        raise TellkitError(f"static vectors: cannot load the tokenizer of '{path}': {str(exc).splitlines()[0]}") from None
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise TellkitError(f"static vectors: cannot load the tokenizer of '{path}': {msg}") from None
 
 
 def _normalizer_lowercases(tokenizer) -> bool:

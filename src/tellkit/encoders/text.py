@@ -25,7 +25,7 @@ truncated; use :mod:`tellkit.encoders.context` to choose which paragraphs fill t
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -50,7 +50,8 @@ class ArticleEncoder(nn.Module):
         self.num_layers: int = cfg.num_hidden_layers + 1  # embedding output + each layer
         self.dim: int = cfg.hidden_size
         # RoBERTa's positions start at padding_idx + 1: 514 positions hold 512 tokens.
-        offset = (cfg.pad_token_id + 1) if getattr(cfg, "model_type", "") in ("roberta", "xlm-roberta", "camembert") else 0
+        roberta_like = getattr(cfg, "model_type", "") in ("roberta", "xlm-roberta", "camembert")
+        offset = (cfg.pad_token_id + 1) if roberta_like else 0
         limits = [DEFAULT_MAX_TOKENS, getattr(cfg, "max_position_embeddings", 10**9) - offset]
         if 0 < getattr(self.tokenizer, "model_max_length", 0) < 10**6:
             limits.append(self.tokenizer.model_max_length)
@@ -60,7 +61,7 @@ class ArticleEncoder(nn.Module):
         self.requires_grad_(False)
         self.eval()
 
-    def train(self, mode: bool = True) -> "ArticleEncoder":  # frozen: dropout stays off
+    def train(self, mode: bool = True) -> ArticleEncoder:  # frozen: dropout stays off
         return super().train(False)
 
     @property

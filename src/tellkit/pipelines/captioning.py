@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tellkit.encoders.bundle import DEFAULT_ARTICLE_ENCODER, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.errors import TellkitError
@@ -65,7 +66,8 @@ def crop_box(width: int, height: int, resize: int, crop: int) -> list[float]:
     return [round(left * sx, 1), round(top * sy, 1), round((left + crop) * sx, 1), round((top + crop) * sy, 1)]
 
 
-def _bundle(encoders: EncodersConfig, model_config, max_article_tokens: int, context_mode: str, device) -> EncoderBundle:
+def _bundle(encoders: EncodersConfig, model_config, max_article_tokens: int, context_mode: str,
+            device) -> EncoderBundle:
     return EncoderBundle(encoders, tuple(model_config.contexts), max_article_tokens=max_article_tokens,
                          context_mode=context_mode, device=device,
                          object_dim=getattr(model_config, "object_dim", OBJECT_DIM), shared_encoders=_SHARED)
@@ -174,8 +176,8 @@ class CaptioningPipeline:
                 "grid": {"rows": rows, "cols": cols, "box": crop_box(im.width, im.height, tf.resize, tf.crop)},
                 "faces": _face_boxes(enc),
                 "article_text": enc.get("article_text", ""),  # the context the model read (cut to the budget)
-                "article_tokens": [{"text": tok, "start": s, "end": e}
-                                   for tok, (s, e) in zip(enc.get("article_tokens", []), enc.get("article_offsets", []))],
+                "article_tokens": [{"text": tok, "start": s, "end": e} for tok, (s, e)
+                                   in zip(enc.get("article_tokens", []), enc.get("article_offsets", []))],
             }
             if "objects" in self.contexts:
                 source = enc.get("objects_source", "none")

@@ -17,7 +17,8 @@ through a task but through :mod:`tellkit.pipelines`.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from torch import nn
 from torch.utils.data import Dataset
@@ -49,7 +50,8 @@ class Task:
     def collate(self, samples: list[Any]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def batch_sampler(self, dataset: Dataset, split: str, *, shuffle: bool, seed: int, epoch: int) -> Iterable[list[int]] | None:
+    def batch_sampler(self, dataset: Dataset, split: str, *, shuffle: bool, seed: int,
+                      epoch: int) -> Iterable[list[int]] | None:
         """Optional: lists of indices (e.g. length buckets with a token cap). None = fixed-size batches."""
         return None
 

@@ -9,7 +9,8 @@ Batch keys: :class:`tellkit.data.batch.CaptionBatch` (``caption`` [B, T], and pe
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,7 +18,6 @@ from torch import nn
 from tellkit.data.batch import read_context
 from tellkit.decoding.search import run_search
 from tellkit.errors import TellkitError
-
 
 # one checked reader of a context set for every captioner (True = a real entry)
 context_set = read_context
@@ -114,7 +114,8 @@ def search(step_fn: Callable, state: dict[str, Any], batch_size: int, *, bos_id:
                       batch_size, beam_size=beam_size, length_penalty=length_penalty, n_best=n_best, **common)
 
 
-def attention_lists(alphas: dict[str, torch.Tensor], valid: dict[str, torch.Tensor], b: int, n_steps: int) -> list[dict[str, list[float]]]:
+def attention_lists(alphas: dict[str, torch.Tensor], valid: dict[str, torch.Tensor], b: int,
+                    n_steps: int) -> list[dict[str, list[float]]]:
     """Per generated token (EOS included), context -> weights over that context's real entries."""
     out = []
     for t in range(n_steps):

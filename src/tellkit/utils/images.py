@@ -121,8 +121,13 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
         raise
     except UnidentifiedImageError:
         raise ImageError(f"{where}not an image (or a format PIL cannot read)", "not an image") from None
-    except Image.DecompressionBombError as exc:
-        raise ImageError(f"{where}image is too large to decode safely ({exc})", "too many pixels") from None
+    except Image.DecompressionBombError as exc:  # PIL's own guard, at twice Image.MAX_IMAGE_PIXELS
+        import re
+
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        n = f"{int(found.group(1)):,} pixels" if found else "too many pixels"
+        raise ImageError(f"{where}image has {n} per its header, over the limit of {cap:,} (a decompression-bomb "
+                         "guard; TELLKIT_MAX_IMAGE_PIXELS raises it for the CLI)", "too many pixels") from None
     except MemoryError:
         raise ImageError(f"{where}not enough memory to decode the image", "too many pixels") from None
     except (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError, ZeroDivisionError) as exc:

@@ -40,7 +40,7 @@ def test_sample_is_drawn_by_our_code():
 def test_train_evaluate_recognize_cli(tmp_path, capsys):
     _dataset(tmp_path / "data")
     run = tmp_path / "run"
-    over = [f"data.root={tmp_path / 'data'}", "data.train=train", "data.val=train", "data.test=train",
+    over = [f"data.root={tmp_path / 'data'}", "data.layout=tsv", "data.train=train", "data.val=train", "data.test=train",
             "data.limit={}", "data.scale=0.5", "train.max_steps=2", "eval.beam_size=2", "eval.max_len=6"]
     assert main(["train", "configs/bttr/tiny.yaml", *over, "--out", str(run), "--device", "cpu", "--no-progress"]) == 0
     capsys.readouterr()

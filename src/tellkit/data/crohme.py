@@ -6,6 +6,10 @@ Layouts
   normalised with :func:`tellkit.data.latex.normalize`.
 * ``caption`` (the BTTR / WAP release): a folder with ``caption.txt`` (``<id>\\t<tokens>``,
   already tokenized) and the images ``<id>.{bmp,png,jpg}`` in the folder or in ``img/``.
+* ``inkml`` (the official CROHME release): ``train/<source>/*.inkml`` and
+  ``test/<YEAR>/*.inkml``; pen strokes are rendered by :mod:`tellkit.data.inkml` and the truth
+  annotation is normalised like the TSV labels. Files without truth, malformed XML or without
+  traces are skipped and counted (:data:`LAST_SKIPPED`).
 
 Images become float tensors ``[1, H, W]`` with ink = 1 and background = 0 (so zero padding is
 background). Optionally the ink's bounding box is cropped (the shared renders put every
@@ -22,7 +26,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -100,14 +104,47 @@ def _find_image(d: Path, key: str) -> Path:
     raise TellkitError(f"{d}: no image for '{key}' (looked for {key}.png/.bmp/.jpg here and in img/)")
 
 
+# reason -> count for the files the last InkML split load skipped (shown by the CLI and the task)
+LAST_SKIPPED: dict[str, int] = {}
+
+
+def load_inkml_split(root: str | os.PathLike, split: str) -> list[Expression]:
+    """``train`` (every ``train/**.inkml``), a year under ``test/`` (``2014``), or any folder
+    under ``root`` holding InkML files. Unusable files are skipped and counted."""
+    from tellkit.data.inkml import scan_folder
+
+    r = Path(root)
+    folder = next((c for c in (r / split, r / "test" / split) if c.is_dir()), None)
+    if folder is None:
+        raise TellkitError(f"{r}: no InkML split '{split}' (looked for {r / split} and {r / 'test' / split})")
+    res = scan_folder(folder, require_truth=True)
+    skipped = dict(res.skipped)
+    exprs = []
+    for e in res.expressions:
+        try:
+            toks = normalize(e.truth or "")
+        except TellkitError:
+            skipped["unparsable truth"] = skipped.get("unparsable truth", 0) + 1
+            continue
+        exprs.append(Expression(e.id, e.path, toks, e.truth or ""))
+    LAST_SKIPPED.clear()
+    LAST_SKIPPED.update(skipped)
+    if not exprs:
+        raise TellkitError(f"{folder}: no usable InkML files" + (f" (skipped: {skipped})" if skipped else ""))
+    return exprs
+
+
 def load_split(root: str | os.PathLike, split: str, layout: str = "tsv") -> list[Expression]:
     """A named split of the shared layout (``train``, ``2014``, ``gt_split/train``,
-    ``gt_split/validation``, or any ``<file>.tsv`` under ``root``), or a caption folder."""
+    ``gt_split/validation``, or any ``<file>.tsv`` under ``root``), a caption folder, or an
+    InkML split (``layout="inkml"``)."""
     r = Path(root)
+    if layout == "inkml":
+        return load_inkml_split(r, split)
     if layout == "caption":
         return load_caption_dir(r / split if (r / split).is_dir() else r)
     if layout != "tsv":
-        raise TellkitError(f"unknown CROHME layout '{layout}' (tsv|caption)")
+        raise TellkitError(f"unknown CROHME layout '{layout}' (tsv|caption|inkml)")
     if split == "train":
         return load_tsv_split(r / "groundtruth_train.tsv", r / "train")
     if split.startswith("gt_split/"):
@@ -119,9 +156,14 @@ def load_split(root: str | os.PathLike, split: str, layout: str = "tsv") -> list
 
 # --- images -----------------------------------------------------------------------------------
 def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool = True,
-               scale: float = 1.0, max_side: int = 0, require_ink: bool = False) -> torch.Tensor:
+               scale: float = 1.0, max_side: int = 0, require_ink: bool = False, max_pixels: int = 0,
+               fit_pixels: int = 0) -> torch.Tensor:
     """Read an image (dark ink on a light background, or the reverse) -> float [1, H, W] with
-    ink 1 and background 0, padded to a multiple of 16. ``image``: a PIL image instead of a path."""
+    ink 1 and background 0, padded to a multiple of 16. ``image``: a PIL image instead of a path.
+    ``max_pixels``: refuse larger files from their header, before decoding (decompression
+    bombs); ``fit_pixels``: after cropping and scaling, shrink to at most this many pixels."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     if image is None:
@@ -129,11 +171,21 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
         if not p.is_file():
             raise TellkitError(f"image not found: {p}")
         try:
-            with Image.open(p) as im:
-                image = im.convert("L")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(p) as im:
+                    if max_pixels and im.size[0] * im.size[1] > max_pixels:
+                        raise TellkitError(f"{p}: {im.size[0]}x{im.size[1]} pixels is more than the "
+                                           f"{max_pixels:,} accepted")
+                    image = im.convert("L")
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise TellkitError(f"{p}: refused, too many pixels ({exc})") from None
         except (UnidentifiedImageError, OSError) as exc:
             raise TellkitError(f"{p}: not a readable image ({exc})") from exc
     else:
+        if max_pixels and image.size[0] * image.size[1] > max_pixels:
+            raise TellkitError(f"image of {image.size[0]}x{image.size[1]} pixels is more than the "
+                               f"{max_pixels:,} accepted")
         image = image.convert("L")
     a = 1.0 - np.asarray(image, dtype=np.float32) / 255.0
     if a.size == 0:
@@ -151,6 +203,8 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
     f = scale
     if max_side and max(h, w) * f > max_side:
         f = max_side / max(h, w)
+    if fit_pixels and h * w * f * f > fit_pixels:
+        f = (fit_pixels / (h * w)) ** 0.5
     if f != 1.0:
         nh, nw = max(1, round(h * f)), max(1, round(w * f))
         a = np.asarray(Image.fromarray((a * 255).astype(np.uint8)).resize((nw, nh), Image.BILINEAR),
@@ -195,7 +249,7 @@ class CrohmeDataset(torch.utils.data.Dataset):
 
     def __init__(self, exprs: Sequence[Expression], vocab: Vocab | None = None, *, crop: bool = True,
                  scale: float = 1.0, max_side: int = 0, max_pixels: int = 0, max_len: int = 0,
-                 drop_unknown: bool = False):
+                 drop_unknown: bool = False, render: Callable[[Expression], torch.Tensor] | None = None):
         self.vocab = vocab or Vocab()
         kept = []
         for e in exprs:
@@ -206,6 +260,7 @@ class CrohmeDataset(torch.utils.data.Dataset):
             kept.append(e)
         self.exprs = kept
         self.crop, self.scale, self.max_side = crop, scale, max_side
+        self.render = render  # InkML expressions: strokes -> image tensor (bitmaps: None)
         self._sizes: list[tuple[int, int]] | None = None
         self.max_pixels = max_pixels
         if max_pixels:  # the reference drops images over 320,000 pixels
@@ -218,6 +273,8 @@ class CrohmeDataset(torch.utils.data.Dataset):
         return len(self.exprs)
 
     def image(self, i: int) -> torch.Tensor:
+        if self.render is not None:
+            return self.render(self.exprs[i])
         return load_image(self.exprs[i].image, crop=self.crop, scale=self.scale, max_side=self.max_side)
 
     def __getitem__(self, i: int) -> dict:
@@ -277,7 +334,3 @@ def size_batches(sizes: Sequence[tuple[int, int]], batch_size: int, max_batch_pi
         random.Random(seed).shuffle(batches)
     return batches
 
-
-def iter_batches(ds: CrohmeDataset, batches: Iterable[list[int]]):
-    for idx in batches:
-        yield collate([ds[i] for i in idx], ds.vocab.pad)

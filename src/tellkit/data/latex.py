@@ -270,5 +270,3 @@ class Vocab:
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.itos[i] for i in ids if i > 2]
 
-    def to_latex(self, ids: Iterable[int]) -> str:
-        return " ".join(self.decode(ids))

@@ -1,25 +1,126 @@
-"""Handwritten math -> LaTeX with BTTR: the pipeline that ``tellkit serve`` (``/api/recognize``)
-and ``tellkit demo`` run, over ``tellkit.tasks.recognition.Recognizer`` (the code of
-``tellkit recognize``).
+"""Handwritten math -> LaTeX with BTTR: the inference pipeline behind ``tellkit recognize``,
+``tellkit demo`` and the server's ``/api/recognize``.
 
-Also names the project's own sample expression (``assets/samples/bttr_x2_plus_1.png``, drawn
-from hand-made pen strokes by ``tellkit.bench.bttr.draw_sample``).
+:class:`Recognizer` prepares each input the way the checkpoint's training data was prepared
+(its recipe's ``data`` section is stored in the checkpoint): InkML files and raw pen strokes
+(the web page's math canvas) go through the same renderer as the InkML training data
+(:mod:`tellkit.data.inkml`); bitmaps are read with the bitmap loader (ink found in either
+polarity, cropped to the ink, scaled as in training). It then runs the batched joint search.
+
+Also names the project's own sample expression (``assets/samples/bttr_x2_plus_1.{inkml,png}``,
+hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Sequence
 
+from tellkit.errors import TellkitError
 from tellkit.pipelines.base import checkpoint_info, finite_or_none
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SAMPLE_PATH = ASSETS / "samples" / "bttr_x2_plus_1.png"
+SAMPLE_INKML = ASSETS / "samples" / "bttr_x2_plus_1.inkml"
 SAMPLE_LATEX = "x ^ { 2 } + 1"
+DEFAULT_CHECKPOINT = ASSETS / "bttr_default"
+# a bitmap larger than this is refused before it is decoded (decompression bombs)
+MAX_INPUT_PIXELS = 40_000_000
+
+
+class Strokes(list):
+    """Pen strokes to recognise: a list of strokes, each a list of (x, y) points (y down)."""
+
+
+class Recognizer:
+    """A BTTR checkpoint plus the input preparation it was trained with and its search settings."""
+
+    def __init__(self, model, data: dict | None = None, eval_: dict | None = None, checkpoint: Path | None = None):
+        from tellkit.data.latex import Vocab
+        from tellkit.tasks.recognition import data_section, eval_section, make_renderer
+
+        self.model = model.eval()
+        self.data = data_section(_known(data, "data"), "checkpoint data")
+        ev = eval_section(_known(eval_, "eval"), "checkpoint eval")
+        self.beam_size, self.max_len, self.alpha = int(ev.beam_size), int(ev.max_len), float(ev.alpha)
+        self.checkpoint = checkpoint
+        self.vocab = Vocab()
+        # InkML and strokes: the training renderer (no disk cache for one-off inputs)
+        d = self.data
+        self.renderer = make_renderer(type(d)(**{**d.__dict__, "cache": None}))
+
+    @classmethod
+    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu") -> "Recognizer":
+        from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
+        from tellkit.models.bttr import BTTR
+
+        if checkpoint is None and not DEFAULT_CHECKPOINT.is_dir():
+            raise TellkitError(f"no default BTTR checkpoint at {DEFAULT_CHECKPOINT}; pass --model CHECKPOINT")
+        path = resolve_checkpoint(checkpoint or DEFAULT_CHECKPOINT, follow_links=False)
+        meta = read_checkpoint_config(path)
+        model = load_model(path, map_location=device, expect=BTTR).float()
+        return cls(model, meta.get("data") or {}, meta.get("eval") or {}, path)
+
+    def prepare(self, item):
+        """A path (bitmap or ``.inkml``), a PIL image, or :class:`Strokes` -> float [1, H, W]."""
+        from tellkit.data.crohme import load_image
+
+        if isinstance(item, Strokes):
+            return self.renderer.strokes_tensor(item)
+        d = self.data
+        kw = dict(crop=bool(d.crop), scale=float(d.scale) if d.layout != "inkml" else 1.0,
+                  max_side=int(d.max_side), require_ink=True)
+        if isinstance(item, (str, Path)):
+            p = Path(item)
+            if p.is_dir():
+                raise TellkitError(f"{p}: is a folder; pass image or InkML files")
+            if p.suffix.lower() == ".inkml":
+                return self.renderer.tensor(p)
+            return load_image(p, max_pixels=MAX_INPUT_PIXELS, fit_pixels=self._fit_pixels(), **kw)
+        return load_image(image=item, max_pixels=MAX_INPUT_PIXELS, fit_pixels=self._fit_pixels(), **kw)
+
+    def _fit_pixels(self) -> int:
+        """Bitmaps for a model trained on InkML renders are shrunk to the renderer's pixel cap."""
+        return int(self.data.render_config().max_pixels) if self.data.layout == "inkml" else 0
+
+    def search(self, tensors, **kw):
+        import torch
+
+        from tellkit.data.crohme import collate
+
+        dev = next(self.model.parameters()).device
+        b = collate([{"image": t, "labels": [], "id": str(i), "tokens": []} for i, t in enumerate(tensors)])
+        with torch.no_grad():
+            return self.model.generate(b["image"].to(dev), b["image_mask"].to(dev), alpha=self.alpha, **kw)
+
+    def recognize(self, items, batch_size: int = 8, beam_size: int | None = None,
+                  max_len: int | None = None) -> list[dict[str, Any]]:
+        """-> per input {"latex": space-separated tokens, "tokens": list, "score": float}."""
+        out = []
+        tensors = [self.prepare(it) for it in items]
+        for i in range(0, len(tensors), batch_size):
+            res = self.search(tensors[i : i + batch_size], beam_size=beam_size or self.beam_size,
+                              max_len=max_len or self.max_len)
+            for toks, score in zip(res["tokens"], res["scores"]):
+                words = self.vocab.decode(toks)
+                out.append({"latex": " ".join(words), "tokens": words, "score": score})
+        return out
+
+
+def _known(section: dict | None, which: str) -> dict:
+    """Checkpoint sections from older versions may hold keys this version dropped: keep the
+    ones the current dataclass knows (the recipe itself is still checked strictly)."""
+    import dataclasses
+
+    from tellkit.tasks.recognition import RecognitionData, RecognitionEval
+
+    cls = RecognitionData if which == "data" else RecognitionEval
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in (section or {}).items() if k in names}
 
 
 class BTTRMathRecognizer:
-    """PIL images -> ``[{"latex", "tokens", "score"}, ...]`` through ``Recognizer``. ``info``
-    says which model it serves, from which checkpoint, and whether it was trained."""
+    """Images or strokes -> ``[{"latex", "tokens", "score"}, ...]`` through :class:`Recognizer`.
+    ``info`` says which model it serves, from which checkpoint, and whether it was trained."""
 
     def __init__(self, recognizer, info: dict[str, Any], beam_size: int | None = None, max_len: int | None = None):
         self.rec = recognizer
@@ -29,7 +130,6 @@ class BTTRMathRecognizer:
     @classmethod
     def load(cls, checkpoint: str | Path | None = None, device: str = "cpu", **kw) -> "BTTRMathRecognizer":
         from tellkit.checkpoint import read_checkpoint_config
-        from tellkit.tasks.recognition import Recognizer
 
         rec = Recognizer.load(checkpoint, device=device)
         meta = read_checkpoint_config(rec.checkpoint) if rec.checkpoint else {}
@@ -40,7 +140,6 @@ class BTTRMathRecognizer:
         import torch
 
         from tellkit.registry import create_model
-        from tellkit.tasks.recognition import Recognizer
 
         torch.manual_seed(seed)
         model = create_model("bttr/tiny").eval().to(device)
@@ -48,7 +147,8 @@ class BTTRMathRecognizer:
         return cls(rec, {"family": "bttr", "checkpoint": None, "trained": False,
                          "note": "tiny random model (tellkit serve --untrained): LaTeX is noise"})
 
-    def recognize(self, images: Sequence[Any]) -> list[dict[str, Any]]:
-        out = self.rec.recognize(list(images), batch_size=max(1, len(images)), beam_size=self.beam_size,
+    def recognize(self, items: Sequence[Any]) -> list[dict[str, Any]]:
+        """``items``: PIL images, paths, or :class:`Strokes`."""
+        out = self.rec.recognize(list(items), batch_size=max(1, len(items)), beam_size=self.beam_size,
                                  max_len=self.max_len)
         return [{**r, "score": finite_or_none(r["score"])} for r in out]

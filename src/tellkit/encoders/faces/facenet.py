@@ -14,8 +14,11 @@ Parameter names follow facenet-pytorch (``conv2d_1a.conv.weight``, ``repeat_1.0.
   ``*_bn_offset``), which is represented exactly with BatchNorm mean 0, variance 1 - eps,
   weight 1, bias = offset.
 
-Input standardisation: ``(x - 127.5) / 128`` (``fixed``; what both released models were
-trained with), or per-image ``prewhiten``; pixel values are 0..255 RGB.
+Input standardisation: per-image ``prewhiten`` (facenet-pytorch's ``prewhiten``: subtract the
+crop's mean, divide by its standard deviation (unbiased, as ``torch.std``), floored at
+1/sqrt(#values); what Transform and Tell's reference fed the network, and the face encoder's
+default), or ``fixed`` ``(x - 127.5) / 128`` (what the released networks were trained with);
+pixel values are 0..255 RGB.
 """
 from __future__ import annotations
 
@@ -144,7 +147,7 @@ def standardize(faces: torch.Tensor, mode: str = "fixed") -> torch.Tensor:
     if mode == "prewhiten":
         flat = faces.flatten(1)
         mean = flat.mean(1)
-        std = flat.std(1, unbiased=False).clamp(min=1.0 / flat.shape[1] ** 0.5)
+        std = flat.std(1, unbiased=True).clamp(min=1.0 / flat.shape[1] ** 0.5)  # as facenet-pytorch
         return (faces - mean[:, None, None, None]) / std[:, None, None, None]
     raise TellkitError(f"unknown face standardisation '{mode}' (fixed, prewhiten)")
 

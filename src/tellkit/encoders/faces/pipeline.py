@@ -9,7 +9,8 @@ and Tell), crop each box to 160 x 160, embed with FaceNet (512-d unit vectors).
 
 The crop follows the reference pipeline (facenet-pytorch's ``MTCNN(keep_all=True)`` then
 ``InceptionResnetV1``): the detected box grown by ``margin`` pixels (in 160-px units, 0 by
-default), clamped to the image, resized bilinearly to 160 x 160; no rotation.
+default), clamped to the image, resized bilinearly to 160 x 160; no rotation; each crop prewhitened as
+the reference's MTCNN does by default (``standardization="fixed"`` for (x - 127.5) / 128).
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class FaceEncoder(nn.Module):
     dim = 512
 
     def __init__(self, facenet_weights=None, max_faces: int = 4, min_face_size: int = 20,
-                 thresholds=(0.6, 0.7, 0.7), margin: float = 0.0, standardization: str = "fixed"):
+                 thresholds=(0.6, 0.7, 0.7), margin: float = 0.0, standardization: str = "prewhiten"):
         super().__init__()
         self.detector = MTCNN(min_face_size=min_face_size, thresholds=thresholds)
         self.facenet = load_facenet(facenet_weights)

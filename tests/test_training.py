@@ -131,6 +131,8 @@ def test_resume_after_crash_gives_identical_weights(tmp_path):
 
 
 def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    """A write that fails half-way (disk full) stops with one line; the half-written state never
+    gets a final name, the previous one stays, and --resume finishes the run."""
     r = toy_task.recipe(max_epochs=1)
     real = checkpointing.save_optimizer
     calls = {"n": 0}
@@ -143,16 +145,18 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, monkeypatch):
         real(opt, directory)
 
     monkeypatch.setattr(checkpointing, "save_optimizer", flaky)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(TellkitError, match=r"step 4 not saved \(OSError: disk full\); the last good state step_00000002"):
         run(r, tmp_path / "run", save_every_steps=2)
     ck = tmp_path / "run" / "checkpoints"
     assert (ck / "last").resolve().name == "step_00000002"
-    assert (ck / "step_00000004.tmp").is_dir()  # the half-written state never got the final name
+    assert not list(ck.glob("*.tmp"))  # the half-written state was removed
     monkeypatch.setattr(checkpointing, "save_optimizer", real)
     summary = run(r, tmp_path / "run", resume=True, save_every_steps=2)
     assert summary["steps"] == 6
     assert not list(ck.glob("*.tmp"))
-    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000006"]
+    # step 6 was saved twice (periodic, then after validation): the second save got a new name
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000006-1"]
+    assert (ck / "last").resolve() == (ck / "best").resolve() == ck / "step_00000006-1"
 
 
 def test_early_stopping_on_a_max_metric(tmp_path):

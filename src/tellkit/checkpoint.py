@@ -241,7 +241,7 @@ def estimate_model_bytes(entry, cfg) -> int:
     return total
 
 
-def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str, finite: bool = True) -> None:
     """Names, shapes, dtype kinds and finiteness of ``state`` against ``model`` (tied names that
     were stored once are fine). One-line :class:`TellkitError` on the first problem."""
     own = model.state_dict()
@@ -257,7 +257,7 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: st
         if v.is_floating_point() != own[k].is_floating_point() or (v.dtype == torch.bool) != (own[k].dtype == torch.bool):
             raise TellkitError(f"{where}: tensor {k} is {str(v.dtype).replace('torch.', '')}, "
                                f"the model holds {str(own[k].dtype).replace('torch.', '')}")
-        if v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
+        if finite and v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
             raise TellkitError(f"{where}: tensor {k} holds NaN or infinite values (a diverged or damaged checkpoint)")
 
 

@@ -6,35 +6,86 @@ A run keeps its checkpoints under ``RUN/checkpoints/``::
         config.json model.safetensors      the model (``tellkit.checkpoint.save_model``)
         optimizer.safetensors optimizer.json   optimizer tensors / everything else
         rng_rank<R>.safetensors rng_rank<R>.json   torch/CUDA/numpy/python RNG of each process
-        trainer_state.json                 step, epoch, data position, schedule, loss scaler, best
-    last -> step_00001200     symbolic links, each replaced atomically
+        trainer_state.json                 step, epoch, data position, schedule, loss scaler,
+                                           best, the open loss-logging window
+    step_00001200-1/          the same step saved again (end of epoch after a periodic save)
+    last -> step_00001200-1   symbolic links, each replaced atomically
     best -> step_00001000
 
-Atomicity: a state is written into ``step_N.tmp/``, every file is fsynced, the folder is renamed
-to ``step_N`` and only then is the ``last`` link replaced (``os.replace`` of a link is atomic).
-A crash at any moment leaves ``last`` pointing at the previous complete state; leftover
-``*.tmp`` folders are removed by the next save. Older states not pointed at are deleted.
+Crash safety: a state is written into ``step_N.tmp/``, every file is fsynced, the folder is
+renamed to a name that does not exist yet (``step_N``, else ``step_N-1``, ``-2`` ...), and only
+then do ``last`` (and ``best``) move (``os.replace`` of a link is atomic). A folder is deleted
+only once no link points at it. So a kill at any instant leaves ``last`` pointing at a complete
+state; leftover ``*.tmp`` folders are removed by the next save. A failed write (disk full)
+removes the temporary folder and raises a one-line error; the previous state is untouched.
+
+Resume (:meth:`CheckpointManager.find_resume`) reads ``last``; when it is missing, dangling or
+damaged (unreadable JSON, truncated tensors, missing optimizer or RNG files, non-finite values)
+it falls back to the newest intact state, naming what was wrong, or stops with one line.
 
 Nothing here unpickles: tensors are read with safetensors, everything else is JSON.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
+import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
-from tellkit.checkpoint import atomic_write_bytes, atomic_write_json, save_model
+from tellkit.checkpoint import (
+    WEIGHTS_NAME,
+    atomic_write_bytes,
+    atomic_write_json,
+    begin_save,
+    check_state_dict,
+    fault_point,
+    read_checkpoint_config,
+    read_json_file,
+    save_model,
+)
 from tellkit.errors import TellkitError
 
 STATE_NAME = "trainer_state.json"
 FORMAT_VERSION = 1
+STEP_DIR = re.compile(r"^step_(\d{8})(?:-(\d+))?$")
+_MAX_STATE_JSON = 256 << 20  # optimizer.json lists every parameter id: larger than a model config
+
+
+class DamagedCheckpoint(TellkitError):
+    """A checkpoint folder that cannot be resumed from; the message says what is wrong."""
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise DamagedCheckpoint(f"{path.name} missing")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DamagedCheckpoint(f"{path.name} unreadable ({first})") from exc
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return read_json_file(path, path.name, _MAX_STATE_JSON)
+    except TellkitError as exc:
+        raise DamagedCheckpoint(str(exc).replace(str(path.parent) + os.sep, "")) from exc
+
+
+def _check_finite(tensors: dict[str, torch.Tensor], file: str) -> None:
+    for k, t in tensors.items():
+        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+            raise DamagedCheckpoint(f"{file}: tensor {k} holds NaN or infinite values")
 
 
 # --- optimizer state: tensors -> safetensors, the rest -> JSON --------------------------------
@@ -54,18 +105,34 @@ def save_optimizer(optimizer: torch.optim.Optimizer, directory: Path) -> None:
     atomic_write_json(directory / "optimizer.json", {"state": plain, "param_groups": sd["param_groups"]})
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    from safetensors.torch import load_file
-
-    meta = json.loads((directory / "optimizer.json").read_text(encoding="utf-8"))
-    tensors = load_file(str(directory / "optimizer.safetensors"))
+def read_optimizer(directory: Path) -> dict[str, Any]:
+    """The optimizer's state dict as saved, checked for readability (not yet applied)."""
+    meta = _read_json(directory / "optimizer.json")
+    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict) or not isinstance(meta.get("param_groups"), list):
+        raise DamagedCheckpoint("optimizer.json: not an optimizer state")
+    tensors = _load_tensors(directory / "optimizer.safetensors")
+    _check_finite(tensors, "optimizer.safetensors")
     state: dict[int, dict[str, Any]] = {}
-    for key, t in tensors.items():
-        pid, name = key.split("/", 1)
-        state.setdefault(int(pid), {})[name] = t
-    for pid, st in meta["state"].items():
-        state.setdefault(int(pid), {}).update(st)
-    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    try:
+        for key, t in tensors.items():
+            pid, name = key.split("/", 1)
+            state.setdefault(int(pid), {})[name] = t
+        for pid, st in meta["state"].items():
+            state.setdefault(int(pid), {}).update(st)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise DamagedCheckpoint(f"optimizer state: malformed ({exc})") from exc
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    _apply_optimizer(optimizer, read_optimizer(directory), directory)
+
+
+def _apply_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any], directory: Path) -> None:
+    try:
+        optimizer.load_state_dict(sd)
+    except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise TellkitError(f"{directory}: the optimizer state does not fit this run ({exc})") from exc
 
 
 # --- random number generators -----------------------------------------------------------------
@@ -86,15 +153,29 @@ def save_rng(directory: Path, rank: int) -> None:
     )
 
 
-def load_rng(directory: Path, rank: int) -> bool:
-    """Restore this process's RNG state; False when the checkpoint has none for ``rank``."""
-    from safetensors.torch import load_file
+def read_rng(directory: Path, rank: int, saved_world: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """Process ``rank``'s saved RNG state; None when the run was saved with fewer processes."""
+    names = (f"rng_rank{rank}.safetensors", f"rng_rank{rank}.json")
+    present = [(directory / n).is_file() for n in names]
+    if not any(present) and rank >= saved_world:
+        return None
+    for n, ok in zip(names, present):
+        if not ok:
+            raise DamagedCheckpoint(f"{n} missing")
+    tensors = _load_tensors(directory / names[0])
+    meta = _read_json(directory / names[1])
+    try:
+        kind, pos, has_gauss, cached = meta["numpy"]
+        version, state, gauss = meta["python"]
+        if "torch" not in tensors or "numpy_keys" not in tensors or not isinstance(state, list):
+            raise KeyError("torch / numpy_keys / python state")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise DamagedCheckpoint(f"{names[1]}: not an RNG state ({exc})") from exc
+    return tensors, meta
 
-    path = directory / f"rng_rank{rank}.safetensors"
-    if not path.is_file():
-        return False
-    tensors = load_file(str(path))
-    meta = json.loads((directory / f"rng_rank{rank}.json").read_text(encoding="utf-8"))
+
+def _apply_rng(rng: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
+    tensors, meta = rng
     torch.set_rng_state(tensors["torch"])
     if torch.cuda.is_available():
         cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda")), key=lambda k: int(k[4:]))]
@@ -104,9 +185,74 @@ def load_rng(directory: Path, rank: int) -> bool:
     np.random.set_state((kind, tensors["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, cached))
     version, state, gauss = meta["python"]
     random.setstate((version, tuple(state), gauss))
+
+
+def load_rng(directory: Path, rank: int) -> bool:
+    """Restore this process's RNG state; False when the checkpoint has none for ``rank``."""
+    rng = read_rng(directory, rank, saved_world=rank)
+    if rng is None:
+        return False
+    _apply_rng(rng)
     return True
 
 
+# --- one saved state, read and checked before anything is changed ----------------------------
+@dataclass
+class SavedState:
+    directory: Path
+    trainer: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: tuple[dict[str, torch.Tensor], dict[str, Any]] | None
+    problems: list[str] = field(default_factory=list)  # damaged newer states skipped on the way
+
+
+def read_state(directory: Path, rank: int = 0, world: int = 1) -> SavedState:
+    """Read every file of a state (``rank``'s RNG; on rank 0 also check that the RNG files of
+    every other process of a ``world``-process run are there). :class:`DamagedCheckpoint` when
+    anything is missing, unreadable or non-finite."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DamagedCheckpoint(f"{directory.name} does not exist")
+    trainer = _read_json(directory / STATE_NAME)
+    if not isinstance(trainer, dict):
+        raise DamagedCheckpoint(f"{STATE_NAME}: not a mapping")
+    for key in ("step", "epoch", "pos"):
+        v = trainer.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise DamagedCheckpoint(f"{STATE_NAME}: '{key}' is {v!r}, not a count")
+    if not isinstance(trainer.get("schedule"), dict):
+        raise DamagedCheckpoint(f"{STATE_NAME}: no schedule state")
+    saved_world = trainer.get("world") if isinstance(trainer.get("world"), int) else 1
+    try:
+        read_checkpoint_config(directory)
+    except TellkitError as exc:
+        raise DamagedCheckpoint(str(exc).replace(str(directory) + os.sep, "").replace(str(directory), directory.name)) from exc
+    weights = _load_tensors(directory / WEIGHTS_NAME)
+    _check_finite(weights, WEIGHTS_NAME)
+    optimizer = read_optimizer(directory)
+    rng = read_rng(directory, rank, saved_world)
+    if rank == 0:
+        for r in range(1, min(world, saved_world)):
+            read_rng(directory, r, saved_world)
+    return SavedState(directory, trainer, weights, optimizer, rng)
+
+
+def apply_state(saved: SavedState, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """Put a read state into ``model`` / ``optimizer`` / this process's RNGs; the trainer state."""
+    check_state_dict(model, saved.weights, str(saved.directory), finite=False)
+    model.load_state_dict(saved.weights, strict=False)
+    if optimizer is not None:
+        _apply_optimizer(optimizer, saved.optimizer, saved.directory)
+    state = dict(saved.trainer)
+    if saved.rng is None:
+        state["rng_restored"] = False
+    else:
+        _apply_rng(saved.rng)
+    return state
+
+
+# --- the folder of states ---------------------------------------------------------------------
 def _fsync_dir(path: Path) -> None:
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -127,6 +273,11 @@ def _point(link: Path, target_name: str) -> None:
     os.replace(tmp, link)
 
 
+def _order(path: Path) -> tuple[int, int]:
+    m = STEP_DIR.match(path.name)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else (-1, -1)
+
+
 class CheckpointManager:
     """Writes, points at, prunes and finds the full-state checkpoints of one run."""
 
@@ -134,14 +285,56 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"
 
     # -- finding ---------------------------------------------------------------------------
-    def resolve(self, name: str = "last") -> Path | None:
+    def _link_name(self, name: str) -> str | None:
         link = self.dir / name
-        if not link.is_symlink() and not link.exists():
+        if link.is_symlink():
+            return Path(os.readlink(link)).name
+        return name if link.is_dir() else None
+
+    def resolve(self, name: str = "last") -> Path | None:
+        """The state ``name`` points at, when it looks complete (else None)."""
+        target = self._link_name(name)
+        if target is None:
             return None
-        target = link.resolve()
-        if not (target / STATE_NAME).is_file():
-            raise TellkitError(f"{link}: points at {target}, which is not a complete checkpoint")
-        return target
+        path = self.dir / target
+        return path.resolve() if (path / STATE_NAME).is_file() else None
+
+    def states(self) -> list[Path]:
+        """Every saved state folder, newest first (half-written ``*.tmp`` folders excluded)."""
+        if not self.dir.is_dir():
+            return []
+        return sorted((p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=_order, reverse=True)
+
+    def holds_run(self) -> bool:
+        return bool(self.states()) or (self.dir / "last").is_symlink()
+
+    def find_resume(self, rank: int = 0, world: int = 1, broadcast: Callable[[Any], Any] = lambda x: x) -> SavedState:
+        """The state to resume from: ``last``, else (damaged) the newest intact one. Rank 0
+        decides and tells the others; ``problems`` lists what was wrong with those skipped."""
+        chosen, problems, mine = None, [], None
+        if rank == 0:
+            candidates: list[Path] = []
+            target = self._link_name("last")
+            if target is not None:
+                if (self.dir / target).is_dir():
+                    candidates.append(self.dir / target)
+                else:
+                    problems.append(f"checkpoints/last points at {target}, which does not exist")
+            candidates += [p for p in self.states() if p not in candidates]
+            for d in candidates:
+                try:
+                    mine = read_state(d, 0, world)
+                    chosen = str(d)
+                    break
+                except DamagedCheckpoint as exc:
+                    problems.append(f"{d.name}: {exc}")
+        chosen, problems = broadcast((chosen, problems))
+        if chosen is None:
+            why = "; ".join(problems) if problems else "none saved"
+            raise TellkitError(f"--resume: no intact checkpoint under {self.dir} ({why})")
+        saved = mine if mine is not None else read_state(Path(chosen), rank, world)
+        saved.problems = problems
+        return saved
 
     # -- writing (called on every rank; rank 0 owns the folder) -----------------------------
     def save(
@@ -153,63 +346,81 @@ class CheckpointManager:
         *,
         extra: dict[str, Any] | None = None,
         rank: int = 0,
-        barrier=lambda: None,
+        agree: Callable[[bool], bool] = lambda failed: failed,
         best: bool = False,
     ) -> Path:
-        name = f"step_{step:08d}"
-        final = self.dir / name
-        tmp = self.dir / (name + ".tmp")
+        """Write a complete state, then move ``last`` (and ``best``) to it. ``agree`` is a
+        collective (True on every rank when any rank's flag is True) that doubles as the
+        barrier between the phases. A failed write raises a one-line :class:`TellkitError`."""
+        begin_save()
+        tmp = self.dir / f"step_{step:08d}.tmp"
+        error: OSError | None = None
+        final = self.dir / "last"
         if rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob("*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            if final.exists():  # same step saved twice (e.g. end of epoch == max_steps): rewrite
-                shutil.rmtree(final)
-            tmp.mkdir()
-        barrier()
-        save_rng(tmp, rank)
-        if rank == 0:
-            save_model(model, tmp, extra)
-            save_optimizer(optimizer, tmp)
-            atomic_write_json(tmp / STATE_NAME, {"format_version": FORMAT_VERSION, **trainer_state})
-        barrier()
-        if rank == 0:
-            _fsync_dir(tmp)
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
-            _point(self.dir / "last", name)
-            if best:
-                _point(self.dir / "best", name)
-            _fsync_dir(self.dir)
-            self._prune()
-        barrier()
-        return final
+            try:
+                fault_point("begin")
+                self.dir.mkdir(parents=True, exist_ok=True)
+                for stale in self.dir.glob("*.tmp"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir()
+                fault_point("tmp_created")
+            except OSError as exc:
+                error = exc
+        if not agree(error is not None):
+            try:
+                save_rng(tmp, rank)
+                fault_point("rng")
+                if rank == 0:
+                    save_model(model, tmp, extra)
+                    fault_point("model")
+                    save_optimizer(optimizer, tmp)
+                    fault_point("optimizer")
+                    atomic_write_json(tmp / STATE_NAME, {"format_version": FORMAT_VERSION, **trainer_state})
+                    fault_point("state")
+            except OSError as exc:
+                error = exc
+            if not agree(error is not None) and rank == 0:
+                try:
+                    _fsync_dir(tmp)
+                    final = self._fresh(step)
+                    os.replace(tmp, final)  # never onto an existing folder: the old state stays whole
+                    _fsync_dir(self.dir)
+                    fault_point("renamed")
+                    _point(self.dir / "last", final.name)
+                    fault_point("last")
+                    if best:
+                        _point(self.dir / "best", final.name)
+                        fault_point("best")
+                    _fsync_dir(self.dir)
+                    self._prune()
+                    fault_point("pruned")
+                except OSError as exc:
+                    error = exc
+        if agree(error is not None):
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            good = self.resolve("last")
+            kept = f"the last good state {good.name} is intact" if good is not None else "there is no earlier state"
+            why = f"{type(error).__name__}: {error}" if error is not None else "failed on another process"
+            raise TellkitError(f"checkpoint of step {step} not saved ({why}); {kept}")
+        return final if rank == 0 else self.dir / "last"
+
+    def _fresh(self, step: int) -> Path:
+        base = self.dir / f"step_{step:08d}"
+        path, k = base, 0
+        while path.exists() or path.is_symlink():
+            k += 1
+            path = base.with_name(f"{base.name}-{k}")
+        return path
 
     def _prune(self) -> None:
-        keep = {p.name for p in (self.resolve("last"), self.resolve("best")) if p is not None}
-        for d in self.dir.glob("step_*"):
-            if d.is_dir() and not d.name.endswith(".tmp") and d.name not in keep:
+        keep = {self._link_name("last"), self._link_name("best")}
+        for d in self.states():
+            if d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)
 
     # -- reading -------------------------------------------------------------------------
     @staticmethod
     def load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0) -> dict[str, Any]:
         """Load weights (+ optimizer, + this rank's RNG) from ``directory``; return trainer state."""
-        from safetensors.torch import load_file
-
-        from tellkit.checkpoint import WEIGHTS_NAME
-
-        state = json.loads((directory / STATE_NAME).read_text(encoding="utf-8"))
-        weights = load_file(str(directory / WEIGHTS_NAME))
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        # tied weights are stored once: a missing name must share storage with a loaded one
-        own = model.state_dict()
-        ptrs = {own[k].data_ptr() for k in weights if k in own}
-        really_missing = [k for k in missing if own[k].data_ptr() not in ptrs]
-        if really_missing or unexpected:
-            raise TellkitError(f"{directory}: weights do not match the model (missing {really_missing[:5]}, unexpected {unexpected[:5]})")
-        if optimizer is not None:
-            load_optimizer(optimizer, directory)
-        if not load_rng(directory, rank):
-            state["rng_restored"] = False
-        return state
+        return apply_state(read_state(Path(directory), rank), model, optimizer)

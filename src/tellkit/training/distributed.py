@@ -68,9 +68,9 @@ def setup(device: str | None = None) -> DistInfo:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    from tellkit.checkpoint import device_of
+
+    dev = device_of(device)  # one-line error for an unknown device or a missing GPU
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
     if dev.type == "cuda":

@@ -10,15 +10,17 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from tellkit.errors import TellkitError
-from tellkit.tasks.base import Task
 from tellkit.training.distributed import DistInfo
+
+if TYPE_CHECKING:  # only a Task's methods are called here; no task module is imported
+    from tellkit.tasks.base import Task
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

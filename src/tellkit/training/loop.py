@@ -30,19 +30,21 @@ import time
 from contextlib import nullcontext
 from itertools import islice
 from pathlib import Path
-from typing import Any, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import yaml
-from torch import nn
 
-from tellkit.config import to_dict
+from tellkit.config import check_recipe_sections, to_dict
 from tellkit.errors import TellkitError
-from tellkit.tasks.base import Task
 from tellkit.training import distributed
-from tellkit.training.checkpointing import CheckpointManager
+from tellkit.training.checkpointing import CheckpointManager, SavedState, apply_state
 from tellkit.training.config import TrainConfig, train_config
 from tellkit.training.evaluation import autocast, make_loader, plain_batches, run_eval, to_device
+
+if TYPE_CHECKING:  # the loop only calls a Task's methods; it imports no task module
+    from tellkit.tasks.base import Task
 
 TRAIN_COLUMNS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"]
 EVAL_COLUMNS = ["step", "epoch", "split", "metric", "value"]
@@ -207,7 +209,33 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _task_for(recipe: Mapping[str, Any]) -> Task:
+    """The recipe's task, looked up by name in the task registry at run time (so that the
+    training package never imports ``tellkit.tasks``, which imports training helpers)."""
+    import importlib
+
+    if not isinstance(recipe.get("task"), str):
+        raise TellkitError("the recipe has no 'task:' (which task trains this model)")
+    return importlib.import_module("tellkit.tasks").get_task(recipe["task"])(recipe)
+
+
 # --- the loop ---------------------------------------------------------------------------------
+@dataclass
+class TrainerState:
+    """Everything about the run's progress that a checkpoint stores (``trainer_state.json``)."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0
+    pos: int = 0  # global batches of this epoch already used (over all processes)
+    best: float | None = None
+    best_step: int | None = None
+    bad_evals: int = 0
+    last_eval_step: int | None = None
+    world: int = 1
+    window_loss: float = 0.0  # loss x tokens summed since the last log row (restored on resume,
+    window_tokens: float = 0.0  # so the first row after a resume equals the unbroken run's)
+
+
 def train(
     recipe: Mapping[str, Any],
     run_dir: str | os.PathLike,
@@ -220,267 +248,330 @@ def train(
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train ``recipe`` into ``run_dir``; returns a summary (steps, best metric, checkpoints)."""
+    if save_every_steps is not None and (isinstance(save_every_steps, bool) or int(save_every_steps) < 1):
+        raise TellkitError(f"--save-every-steps must be a positive number of steps, got {save_every_steps}")
+    if save_every_minutes is not None and not float(save_every_minutes) > 0:
+        raise TellkitError(f"--save-every-minutes must be positive (or 0 for off), got {save_every_minutes}")
+    check_recipe_sections(recipe)
     cfg = train_config(recipe)
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TellkitError(f"--out {run_dir}: exists and is not a folder")
     dist = distributed.setup(device)
-    log = (lambda msg: print(f"[tellkit train] {msg}", flush=True)) if dist.is_main else (lambda msg: None)
     try:
-        return _train(recipe, cfg, run_dir, dist, log, resume, task, save_every_steps, save_every_minutes, progress)
+        trainer = Trainer(recipe, cfg, run_dir, dist, resume=resume, task=task, save_every_steps=save_every_steps,
+                          save_every_minutes=save_every_minutes, progress=progress)
+        return trainer.setup().fit()
     finally:
         distributed.teardown(dist)
 
 
-def _train(recipe, cfg: TrainConfig, run_dir: Path, dist, log, resume, task, save_every_steps, save_every_minutes, progress):
-    from tellkit.tasks import get_task
+class Trainer:
+    """One run: ``setup`` (run folder, task, model, data, optimizer, schedule, resumed state,
+    logs), then ``fit``: epochs of ``step`` (one optimizer step over ``accumulate``
+    micro-batches per process), ``evaluate`` at epoch ends (best / early stopping), ``save``
+    (periodic, on SIGTERM, after each evaluation) and ``log`` (console, CSV, TensorBoard)."""
 
-    ckpts = CheckpointManager(run_dir)
-    resolved = json.loads(json.dumps({**dict(recipe), "train": to_dict(cfg)}))  # plain YAML/JSON types
-    resume_from = ckpts.resolve("last") if resume else None
-    if resume and resume_from is None:
-        raise TellkitError(f"--resume: no checkpoint under {ckpts.dir}")
-    if not resume and ckpts.resolve("last") is not None:
-        raise TellkitError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --out")
-    if resume and (run_dir / "config.yaml").is_file():
-        saved = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-        diff = sorted(k for k in set(saved) | set(resolved) if saved.get(k) != resolved.get(k))
-        if diff:
-            raise TellkitError(f"--resume: the config differs from the run's saved config.yaml in section(s) {', '.join(diff)}")
-    if dist.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False), encoding="utf-8")
+    def __init__(self, recipe: Mapping[str, Any], cfg: TrainConfig, run_dir: Path, dist: distributed.DistInfo, *,
+                 resume: bool = False, task: Task | None = None, save_every_steps: int | None = None,
+                 save_every_minutes: float | None = 30.0, progress: bool = True):
+        self.recipe, self.cfg, self.run_dir, self.dist = recipe, cfg, run_dir, dist
+        self.resume, self.task, self.progress = resume, task, progress
+        self.save_every_steps, self.save_every_minutes = save_every_steps, save_every_minutes
+        self.ckpts = CheckpointManager(run_dir)
+        self.state = TrainerState(world=dist.world)
+        self.resolved = json.loads(json.dumps({**dict(recipe), "train": to_dict(cfg)}))  # plain YAML/JSON types
+        self.saved: SavedState | None = None
+        self.tb = self.train_csv = self.eval_csv = None
 
-    # -- task, model, data --------------------------------------------------------------------
-    _seed_all(cfg.seed)  # identical initial weights on every process
-    if task is None:
-        if "task" not in recipe:
-            raise TellkitError("the recipe has no 'task:' (which task trains this model)")
-        task = get_task(recipe["task"])(recipe)
-    model = task.build_model()
-    if cfg.init_from and not resume:
-        from tellkit.checkpoint import load_weights_into
+    def log(self, msg: str) -> None:
+        if self.dist.is_main:
+            print(f"[tellkit train] {msg}", flush=True)
 
-        log(f"initial weights from {load_weights_into(model, cfg.init_from)}")
-    model = model.to(dist.device)
-    train_set = task.build_dataset("train")
-    val_set = task.build_dataset("val")
-    if len(train_set) == 0:
-        raise TellkitError("the training set is empty")
-    if val_set is not None and len(val_set) == 0:
-        val_set = None
-    if val_set is None:
-        log("no validation set: no early stopping, the last state is also the best")
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self) -> Trainer:
+        self._open_run_dir()
+        self._build()
+        self._restore_or_seed()
+        self._open_logs()
+        return self
 
-    groups = task.param_groups(model, cfg.lr)
-    optimizer = build_optimizer(cfg, groups)
-    n_batches = len(epoch_batches(task, train_set, cfg, 0, dist.world))
-    if n_batches == 0:
-        raise TellkitError(f"the training set gives fewer batches than processes ({dist.world})")
-    steps_per_epoch = math.ceil(n_batches / dist.world / cfg.accumulate)
-    total_steps = cfg.max_steps or steps_per_epoch * cfg.max_epochs
-    schedule = LRSchedule(cfg, optimizer, total_steps, task.monitor_mode)
-
-    amp_dtype = cfg.amp_dtype if dist.device.type == "cuda" else None
-    scaler = torch.amp.GradScaler("cuda") if amp_dtype == "float16" else None
-    log(
-        f"{type(model).__name__} on {dist.device} x{dist.world}: "
-        f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters; "
-        f"{len(train_set)} train / {len(val_set) if val_set is not None else 0} val samples; "
-        f"{steps_per_epoch} steps per epoch, {total_steps} in all; mixed precision {amp_dtype or 'off'}"
-    )
-
-    # -- state, possibly resumed ------------------------------------------------------------
-    st = {"step": 0, "epoch": 0, "pos": 0, "best": None, "best_step": None, "bad_evals": 0, "last_eval_step": None, "world": dist.world}
-    if resume_from is not None:
-        saved = CheckpointManager.load(resume_from, model, optimizer, dist.rank)
-        for k in st:
-            st[k] = saved.get(k, st[k])
-        schedule.load_state_dict(saved["schedule"])
-        if scaler is not None and saved.get("scaler"):
-            scaler.load_state_dict(saved["scaler"])
-        if saved.get("world") != dist.world:
-            log(f"resuming with {dist.world} processes, saved with {saved.get('world')}: data order continues, RNG streams do not")
-        if saved.get("rng_restored") is False:
-            _seed_all(cfg.seed * 7919 + dist.rank + st["step"])
-        st["world"] = dist.world
-        log(f"resumed from {resume_from} (step {st['step']}, epoch {st['epoch']}, batch {st['pos']})")
-    else:
-        _seed_all(cfg.seed * 7919 + dist.rank)  # per-process randomness (dropout) from here on
-
-    ddp_model = model
-    if dist.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ids = [dist.device.index] if dist.device.type == "cuda" else None
-        ddp_model = DDP(model, device_ids=ids, find_unused_parameters=task.ddp_find_unused_parameters)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-
-    # -- logs ---------------------------------------------------------------------------------
-    tb = train_csv = eval_csv = None
-    if dist.is_main:
-        keep = st["step"] if resume_from is not None else None
-        train_csv = _CsvLog(run_dir / "train_log.csv", TRAIN_COLUMNS, keep)
-        eval_csv = _CsvLog(run_dir / "eval_log.csv", EVAL_COLUMNS, keep)
-        tb = _tensorboard(run_dir, log)
-    # every section but the model (which config.json holds already): task, data, eval, train,
-    # encoders ... at the top level of config.json, so `tellkit evaluate` / `caption` / `serve`
-    # can rebuild the task and its encoders from the checkpoint alone
-    reserved = {"format_version", "family", "config", "tellkit_version"} & set(resolved)
-    if reserved:
-        raise TellkitError(f"recipe sections {sorted(reserved)} clash with checkpoint metadata names")
-    extra = {**{k: v for k, v in resolved.items() if k != "model"}, "task": task.name}
-
-    def trainer_state() -> dict[str, Any]:
-        return {**st, "schedule": schedule.state_dict(), "scaler": scaler.state_dict() if scaler else None}
-
-    def save(best: bool = False) -> None:
-        ckpts.save(st["step"], model, optimizer, trainer_state(), extra=extra, rank=dist.rank, barrier=dist.barrier, best=best)
-
-    def evaluate() -> bool:
-        """Validate, update best / early stopping, save. True when training should stop."""
-        st["last_eval_step"] = st["step"]
-        if val_set is None:
-            save(best=True)
-            return False
-        generate = task.monitor != "loss"
-        metrics, _ = run_eval(task, model, val_set, "val", dist, batch_size=cfg.batch_size, num_workers=cfg.num_workers,
-                              amp_dtype=amp_dtype, generate=generate, progress=progress)
-        if task.monitor not in metrics:
-            raise TellkitError(f"task '{task.name}' monitors '{task.monitor}' but validation gave {sorted(metrics)}")
-        value = metrics[task.monitor]
-        better = st["best"] is None or (value < st["best"] if task.monitor_mode == "min" else value > st["best"])
-        if better:
-            st["best"], st["best_step"], st["bad_evals"] = value, st["step"], 0
-        else:
-            st["bad_evals"] += 1
-        schedule.on_eval(value)
+    def _open_run_dir(self) -> None:
+        run_dir, dist = self.run_dir, self.dist
+        if self.resume:
+            self.saved = self.ckpts.find_resume(dist.rank, dist.world, dist.broadcast)
+            if self.saved.problems:
+                self.log(f"warning: {'; '.join(self.saved.problems)}; resuming from {self.saved.directory.name}")
+            cfg_file = run_dir / "config.yaml"
+            if cfg_file.is_file():
+                try:
+                    saved = yaml.safe_load(cfg_file.read_text(encoding="utf-8"))
+                except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
+                    raise TellkitError(f"--resume: {cfg_file} is not readable YAML ({type(exc).__name__})") from exc
+                if not isinstance(saved, dict):
+                    raise TellkitError(f"--resume: {cfg_file} holds no recipe (a {type(saved).__name__}, not a mapping)")
+                diff = sorted(str(k) for k in set(saved) | set(self.resolved) if saved.get(k) != self.resolved.get(k))
+                if diff:
+                    raise TellkitError(f"--resume: the config differs from the run's saved config.yaml in section(s) {', '.join(diff)}")
+        elif self.ckpts.holds_run():
+            raise TellkitError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --out")
+        # every section but the model (which config.json holds already) goes to the top level of
+        # config.json, so `tellkit evaluate` / `caption` / `serve` rebuild the task from it alone
+        reserved = {"format_version", "family", "config", "tellkit_version"} & set(self.resolved)
+        if reserved:
+            raise TellkitError(f"recipe sections {sorted(reserved)} clash with checkpoint metadata names")
         if dist.is_main:
-            for k, v in metrics.items():
-                eval_csv.write({"step": st["step"], "epoch": st["epoch"], "split": "val", "metric": k, "value": v})
-                if tb:
-                    tb.add_scalar(f"val/{k}", v, st["step"])
-            shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-            log(f"step {st['step']} epoch {st['epoch']}: val {shown}" + ("  (best)" if better else f"  ({st['bad_evals']} without improvement)"))
-        save(best=better)
-        return cfg.patience is not None and st["bad_evals"] >= cfg.patience
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False), encoding="utf-8")
 
-    # -- epochs -------------------------------------------------------------------------------
-    t0 = time.time()
-    last_save = time.time()
-    win_loss = win_tok = 0.0
-    win_t = time.time()
-    stop_reason = None
-    with _StopSignal() as stop_signal:
-        while stop_reason is None:
-            if st["epoch"] >= cfg.max_epochs:
-                stop_reason = "max_epochs"
-                break
-            if cfg.max_steps is not None and st["step"] >= cfg.max_steps:
-                stop_reason = "max_steps"
-                break
-            batches = epoch_batches(task, train_set, cfg, st["epoch"], dist.world)
-            mine = batches[st["pos"] + dist.rank :: dist.world]
-            loader = make_loader(task, train_set, mine, cfg.num_workers, cfg.seed * 1_000_003 + st["epoch"] * 1009 + st["pos"],
-                                 dist.device.type == "cuda")
-            it = iter(loader)
-            bar = None
-            if progress and dist.is_main:
-                from tqdm.auto import tqdm
+    def _build(self) -> None:
+        cfg, dist = self.cfg, self.dist
+        _seed_all(cfg.seed)  # identical initial weights on every process
+        if self.task is None:
+            self.task = _task_for(self.recipe)
+        task = self.task
+        model = task.build_model()
+        if cfg.init_from and not self.resume:
+            from tellkit.checkpoint import load_weights_into
 
-                bar = tqdm(total=math.ceil(len(batches) / dist.world / cfg.accumulate), initial=st["pos"] // dist.world // cfg.accumulate,
-                           desc=f"epoch {st['epoch']}", dynamic_ncols=True)
+            self.log(f"initial weights from {load_weights_into(model, cfg.init_from)}")
+        self.model = model.to(dist.device)
+        self.train_set = task.build_dataset("train")
+        val_set = task.build_dataset("val")
+        if len(self.train_set) == 0:
+            raise TellkitError("the training set is empty")
+        self.val_set = None if val_set is None or len(val_set) == 0 else val_set
+        if self.val_set is None:
+            self.log("no validation set: no early stopping, the last state is also the best")
+        self.optimizer = build_optimizer(cfg, task.param_groups(model, cfg.lr))
+        n_batches = len(epoch_batches(task, self.train_set, cfg, 0, dist.world))
+        if n_batches == 0:
+            raise TellkitError(f"the training set gives fewer batches than processes ({dist.world})")
+        self.steps_per_epoch = math.ceil(n_batches / dist.world / cfg.accumulate)
+        self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.max_epochs
+        self.schedule = LRSchedule(cfg, self.optimizer, self.total_steps, task.monitor_mode)
+        self.amp_dtype = cfg.amp_dtype if dist.device.type == "cuda" else None
+        self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == "float16" else None
+        self.extra = {**{k: v for k, v in self.resolved.items() if k != "model"}, "task": task.name}
+        self.log(
+            f"{type(model).__name__} on {dist.device} x{dist.world}: "
+            f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters; "
+            f"{len(self.train_set)} train / {len(self.val_set) if self.val_set is not None else 0} val samples; "
+            f"{self.steps_per_epoch} steps per epoch, {self.total_steps} in all; mixed precision {self.amp_dtype or 'off'}"
+        )
+
+    def _restore_or_seed(self) -> None:
+        st, dist = self.state, self.dist
+        if self.saved is None:
+            _seed_all(self.cfg.seed * 7919 + dist.rank)  # per-process randomness (dropout) from here on
+        else:
+            where = self.saved.directory
+            saved = apply_state(self.saved, self.model, self.optimizer)
+            try:
+                for f in fields(TrainerState):
+                    if saved.get(f.name) is not None or f.name in ("best", "best_step", "last_eval_step"):
+                        setattr(st, f.name, saved.get(f.name, getattr(st, f.name)))
+                self.schedule.load_state_dict(saved["schedule"])
+                if self.scaler is not None and saved.get("scaler"):
+                    self.scaler.load_state_dict(saved["scaler"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise TellkitError(f"{where}: the trainer state does not fit this run ({exc})") from exc
+            if saved.get("world") != dist.world:
+                self.log(f"resuming with {dist.world} processes, saved with {saved.get('world')}: "
+                         "data order continues, RNG streams do not")
+            if saved.get("rng_restored") is False:
+                _seed_all(self.cfg.seed * 7919 + dist.rank + st.step)
+            st.world = dist.world
+            self.saved = None  # free the tensors read from disk
+            self.log(f"resumed from {where} (step {st.step}, epoch {st.epoch}, batch {st.pos})")
+        self.ddp_model = self.model
+        if dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [dist.device.index] if dist.device.type == "cuda" else None
+            self.ddp_model = DDP(self.model, device_ids=ids, find_unused_parameters=self.task.ddp_find_unused_parameters)
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _open_logs(self) -> None:
+        if self.dist.is_main:
+            keep = self.state.step if self.resume else None
+            self.train_csv = _CsvLog(self.run_dir / "train_log.csv", TRAIN_COLUMNS, keep)
+            self.eval_csv = _CsvLog(self.run_dir / "eval_log.csv", EVAL_COLUMNS, keep)
+            self.tb = _tensorboard(self.run_dir, self.log)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        st, cfg = self.state, self.cfg
+        self.t0 = self.last_save = self.window_start = time.time()
+        stop = None
+        with _StopSignal() as stop_signal:
+            while stop is None:
+                if st.epoch >= cfg.max_epochs:
+                    stop = "max_epochs"
+                    break
+                if cfg.max_steps is not None and st.step >= cfg.max_steps:
+                    stop = "max_steps"
+                    break
+                stop = self._epoch(stop_signal)
+                if stop is not None:
+                    break
+                st.epoch += 1
+                st.pos = 0
+                if st.epoch % cfg.eval_every_epochs == 0:
+                    if self.evaluate():
+                        stop = "early_stopping"
+                    self.last_save = time.time()
+            if stop != "signal" and st.last_eval_step != st.step:
+                self.evaluate()  # final state: validate and save
+        if self.tb:
+            self.tb.close()
+        best_dir = self.ckpts.resolve("best")
+        last_dir = self.ckpts.resolve("last")
+        summary = {
+            "stopped": stop, "steps": st.step, "epochs": st.epoch, "monitor": self.task.monitor,
+            "best": st.best, "best_step": st.best_step, "run_dir": str(self.run_dir),
+            "last_checkpoint": str(last_dir) if last_dir else None, "best_checkpoint": str(best_dir) if best_dir else None,
+            "elapsed_s": time.time() - self.t0,
+        }
+        self.log(f"stopped ({stop}) after {st.step} steps; best {self.task.monitor} {st.best} at step {st.best_step}")
+        return summary
+
+    def _epoch(self, stop_signal: _StopSignal) -> str | None:
+        """The rest of the current epoch; a stop reason, or None when the epoch is done."""
+        st, cfg, dist = self.state, self.cfg, self.dist
+        batches = epoch_batches(self.task, self.train_set, cfg, st.epoch, dist.world)
+        mine = batches[st.pos + dist.rank :: dist.world]
+        loader = make_loader(self.task, self.train_set, mine, cfg.num_workers,
+                             cfg.seed * 1_000_003 + st.epoch * 1009 + st.pos, dist.device.type == "cuda")
+        it = iter(loader)
+        bar = None
+        if self.progress and dist.is_main:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=math.ceil(len(batches) / dist.world / cfg.accumulate),
+                       initial=st.pos // dist.world // cfg.accumulate, desc=f"epoch {st.epoch}", dynamic_ncols=True)
+        try:
             while True:
                 group = list(islice(it, cfg.accumulate))
                 if not group:
-                    break
-                # ---- one optimizer step over len(group) micro-batches per process ----
-                lr = schedule.apply(st["step"], st["epoch"])
-                model.train()
-                optimizer.zero_grad(set_to_none=True)
-                step_loss = torch.zeros((), dtype=torch.float64, device=dist.device)
-                step_tok = torch.zeros((), dtype=torch.float64, device=dist.device)
-                for i, batch in enumerate(group):
-                    batch = to_device(batch, dist.device)
-                    sync = i == len(group) - 1
-                    with (ddp_model.no_sync() if dist.enabled and not sync else nullcontext()):
-                        with autocast(dist.device, amp_dtype):
-                            out = ddp_model(batch)
-                        n = float(out["ntokens"])
-                        summed = out["loss"].float() * n  # undo the per-batch mean: weight by tokens
-                        (scaler.scale(summed) if scaler else summed).backward()
-                    step_loss += summed.detach().double()
-                    step_tok += n
-                totals = dist.sum_(torch.stack([step_loss, step_tok]))
-                if scaler:
-                    scaler.unscale_(optimizer)
-                if totals[1] > 0:
-                    # DDP averaged the token-weighted sums over processes: x world / all tokens
-                    scale = dist.world / float(totals[1])
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.mul_(scale)
-                gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm if cfg.clip_norm > 0 else float("inf"))
-                if scaler:
-                    scaler.step(optimizer)
-                    scaler.update()
-                elif torch.isfinite(gnorm):
-                    optimizer.step()
-                else:
-                    log(f"step {st['step']}: non-finite gradient norm, step skipped")
-                st["step"] += 1
-                st["pos"] += len(group) * dist.world
-                # ---- logging ----
-                win_loss += float(totals[0])
-                win_tok += float(totals[1])
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{float(totals[0]) / max(1.0, float(totals[1])):.3f}", lr=f"{lr:.2e}")
-                if st["step"] % cfg.log_every == 0 and dist.is_main:
-                    dt = max(1e-9, time.time() - win_t)
-                    row = {"step": st["step"], "epoch": st["epoch"], "loss": win_loss / max(1.0, win_tok), "lr": lr,
-                           "grad_norm": float(gnorm), "tokens": int(win_tok), "tokens_per_s": win_tok / dt, "elapsed_s": time.time() - t0}
-                    train_csv.write(row)
-                    if tb:
-                        for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                            tb.add_scalar(f"train/{k}", row[k], st["step"])
-                    if bar is None:
-                        log(f"step {st['step']} epoch {st['epoch']}: loss {row['loss']:.4f} lr {lr:.3g} |g| {row['grad_norm']:.3g}")
-                if st["step"] % cfg.log_every == 0:
-                    win_loss = win_tok = 0.0
-                    win_t = time.time()
-                # ---- stopping and periodic saving ----
-                if cfg.max_steps is not None and st["step"] >= cfg.max_steps:
-                    stop_reason = "max_steps"
-                    break
+                    return None
+                loss, tokens, gnorm, lr = self.step(group)
+                self.log_step(loss, tokens, gnorm, lr, bar)
+                if cfg.max_steps is not None and st.step >= cfg.max_steps:
+                    return "max_steps"
                 # collectives on every rank, every step: all processes must agree to save / stop
                 stop_now = dist.any(stop_signal.requested)
-                timed = dist.any(save_every_minutes is not None and time.time() - last_save >= 60 * save_every_minutes)
-                if stop_now or timed or (save_every_steps and st["step"] % save_every_steps == 0):
-                    save()
-                    last_save = time.time()
+                timed = dist.any(self.save_every_minutes is not None
+                                 and time.time() - self.last_save >= 60 * self.save_every_minutes)
+                if stop_now or timed or (self.save_every_steps and st.step % self.save_every_steps == 0):
+                    self.save()
+                    self.last_save = time.time()
                     if stop_now:
-                        stop_reason = "signal"
-                        break
+                        return "signal"
+        finally:
             if bar is not None:
                 bar.close()
-            if stop_reason is not None:
-                break
-            st["epoch"] += 1
-            st["pos"] = 0
-            if st["epoch"] % cfg.eval_every_epochs == 0:
-                if evaluate():
-                    stop_reason = "early_stopping"
-                last_save = time.time()
 
-        if stop_reason != "signal" and st["last_eval_step"] != st["step"]:
-            evaluate()  # final state: validate and save
-    if tb:
-        tb.close()
-    best_dir = ckpts.resolve("best")
-    summary = {
-        "stopped": stop_reason, "steps": st["step"], "epochs": st["epoch"], "monitor": task.monitor,
-        "best": st["best"], "best_step": st["best_step"], "run_dir": str(run_dir),
-        "last_checkpoint": str(ckpts.resolve("last")), "best_checkpoint": str(best_dir) if best_dir else None,
-        "elapsed_s": time.time() - t0,
-    }
-    log(f"stopped ({stop_reason}) after {st['step']} steps; best {task.monitor} {st['best']} at step {st['best_step']}")
-    return summary
+    def step(self, group: list[dict[str, Any]]) -> tuple[float, float, torch.Tensor, float]:
+        """One optimizer step over ``group`` (this process's micro-batches); returns the
+        token-weighted loss sum and token count over all processes, the gradient norm, the lr."""
+        st, dist, scaler, optimizer = self.state, self.dist, self.scaler, self.optimizer
+        lr = self.schedule.apply(st.step, st.epoch)
+        self.model.train()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), dtype=torch.float64, device=dist.device)
+        step_tok = torch.zeros((), dtype=torch.float64, device=dist.device)
+        for i, batch in enumerate(group):
+            batch = to_device(batch, dist.device)
+            sync = i == len(group) - 1
+            with (self.ddp_model.no_sync() if dist.enabled and not sync else nullcontext()):
+                with autocast(dist.device, self.amp_dtype):
+                    out = self.ddp_model(batch)
+                n = float(out["ntokens"])
+                summed = out["loss"].float() * n  # undo the per-batch mean: weight by tokens
+                (scaler.scale(summed) if scaler else summed).backward()
+            step_loss += summed.detach().double()
+            step_tok += n
+        totals = dist.sum_(torch.stack([step_loss, step_tok]))
+        if scaler:
+            scaler.unscale_(optimizer)
+        if totals[1] > 0:
+            # DDP averaged the token-weighted sums over processes: x world / all tokens
+            scale = dist.world / float(totals[1])
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        clip = self.cfg.clip_norm if self.cfg.clip_norm > 0 else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        elif torch.isfinite(gnorm):
+            optimizer.step()
+        else:
+            self.log(f"step {st.step}: non-finite gradient norm, step skipped")
+        st.step += 1
+        st.pos += len(group) * dist.world
+        return float(totals[0]), float(totals[1]), gnorm, lr
+
+    def log_step(self, loss: float, tokens: float, gnorm: torch.Tensor, lr: float, bar=None) -> None:
+        """Add a step to the logging window; every ``log_every`` steps write a row and reset it."""
+        st, cfg = self.state, self.cfg
+        st.window_loss += loss
+        st.window_tokens += tokens
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss / max(1.0, tokens):.3f}", lr=f"{lr:.2e}")
+        if st.step % cfg.log_every:
+            return
+        if self.dist.is_main:
+            dt = max(1e-9, time.time() - self.window_start)
+            row = {"step": st.step, "epoch": st.epoch, "loss": st.window_loss / max(1.0, st.window_tokens), "lr": lr,
+                   "grad_norm": float(gnorm), "tokens": int(st.window_tokens), "tokens_per_s": st.window_tokens / dt,
+                   "elapsed_s": time.time() - self.t0}
+            self.train_csv.write(row)
+            if self.tb:
+                for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                    self.tb.add_scalar(f"train/{k}", row[k], st.step)
+            if bar is None:
+                self.log(f"step {st.step} epoch {st.epoch}: loss {row['loss']:.4f} lr {lr:.3g} |g| {row['grad_norm']:.3g}")
+        st.window_loss = st.window_tokens = 0.0
+        self.window_start = time.time()
+
+    # -- validation and checkpoints -----------------------------------------------------------
+    def evaluate(self) -> bool:
+        """Validate, update best / early stopping, save. True when training should stop."""
+        st, task, dist = self.state, self.task, self.dist
+        st.last_eval_step = st.step
+        if self.val_set is None:
+            self.save(best=True)
+            return False
+        metrics, _ = run_eval(task, self.model, self.val_set, "val", dist, batch_size=self.cfg.batch_size,
+                              num_workers=self.cfg.num_workers, amp_dtype=self.amp_dtype,
+                              generate=task.monitor != "loss", progress=self.progress)
+        if task.monitor not in metrics:
+            raise TellkitError(f"task '{task.name}' monitors '{task.monitor}' but validation gave {sorted(metrics)}")
+        value = metrics[task.monitor]
+        better = st.best is None or (value < st.best if task.monitor_mode == "min" else value > st.best)
+        if better:
+            st.best, st.best_step, st.bad_evals = value, st.step, 0
+        else:
+            st.bad_evals += 1
+        self.schedule.on_eval(value)
+        if dist.is_main:
+            for k, v in metrics.items():
+                self.eval_csv.write({"step": st.step, "epoch": st.epoch, "split": "val", "metric": k, "value": v})
+                if self.tb:
+                    self.tb.add_scalar(f"val/{k}", v, st.step)
+            shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+            self.log(f"step {st.step} epoch {st.epoch}: val {shown}"
+                     + ("  (best)" if better else f"  ({st.bad_evals} without improvement)"))
+        self.save(best=better)
+        return self.cfg.patience is not None and st.bad_evals >= self.cfg.patience
+
+    def save(self, best: bool = False) -> Path:
+        """A complete state (model, optimizer, RNGs, trainer state) as the new ``last``."""
+        trainer_state = {**asdict(self.state), "schedule": self.schedule.state_dict(),
+                         "scaler": self.scaler.state_dict() if self.scaler else None}
+        return self.ckpts.save(self.state.step, self.model, self.optimizer, trainer_state, extra=self.extra,
+                               rank=self.dist.rank, agree=self.dist.any, best=best)

@@ -1,6 +1,6 @@
 """`tellkit summarize --transcript FILE --features FILE.npy --checkpoint DIR`: one How2-style
-summary from a transcript and its video features with a trained VG-BART / VG-T5 (or a
-text-only baseline, which needs no --features)."""
+summary from a transcript and its video features with a trained VG-BART / VG-T5 (or a text-only
+model, which needs no --features). The work is ``tellkit.pipelines.summarization.Summarizer``."""
 from __future__ import annotations
 
 NAME = "summarize"
@@ -25,66 +25,33 @@ def run(args) -> int:
     import sys
     from pathlib import Path
 
-    import torch
-
-    from tellkit.checkpoint import load_model, read_checkpoint_config
-    from tellkit.checkpoint import resolve_checkpoint
-    from tellkit.data.how2 import collate_how2, load_features
     from tellkit.errors import TellkitError
-    from tellkit.models.vg_gplm import VGGPLM, load_tokenizer
+    from tellkit.pipelines.summarization import Summarizer
 
     tpath = Path(args.transcript)
     if not tpath.is_file():
         raise TellkitError(f"--transcript: file not found: {tpath}")
     try:
-        transcript = " ".join(tpath.read_text(encoding="utf-8").split())
+        transcript = tpath.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise TellkitError(f"--transcript: {tpath} is not UTF-8 text") from exc
-    if not transcript:
+    if not transcript.split():
         raise TellkitError(f"--transcript: {tpath} is empty")
     if args.checkpoint is None and not Path(DEFAULT_RUN).exists():
         raise TellkitError(
             f"no --checkpoint given and no {DEFAULT_RUN}/ here: train one with "
             "`tellkit train configs/vg/how2_bart.yaml` or pass --checkpoint DIR"
         )
-    ckpt = resolve_checkpoint(args.checkpoint or DEFAULT_RUN)
-    meta = read_checkpoint_config(ckpt)
-    if meta["family"] != "vg_gplm":
-        raise TellkitError(f"{ckpt}: a '{meta['family']}' checkpoint, not a VG-BART / VG-T5 (vg_gplm) one")
-    data = dict(meta.get("data") or {})
-    ev = dict(meta.get("eval") or {})
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        raise TellkitError(f"--device: {exc}") from exc
-    model = load_model(ckpt, map_location=device, expect=VGGPLM).eval()
-    cfg = model.config
-    tok = load_tokenizer(cfg.backbone, ckpt)
-
-    fuses = len(model.encoder_fusion) + len(model.decoder_fusion) > 0
-    video = None
-    if fuses:
-        if not args.features:
-            raise TellkitError("this model fuses video: pass --features FILE.npy (float32, shape (T, 2048))")
-        video = load_features(args.features, int(data.get("max_frames", cfg.max_frames)), cfg.video_dim)
-    elif args.features:
+    summarizer = Summarizer.load(args.checkpoint or DEFAULT_RUN, device=args.device,
+                                 beam_size=args.beam_size, max_len=args.max_len)
+    if summarizer.uses_video and not args.features:
+        raise TellkitError("this model fuses video: pass --features FILE.npy (float32, shape (T, 2048))")
+    out = summarizer.summarize(transcript, args.features)
+    if out["video_ignored"]:
         print("tellkit summarize: note: the model is text-only, --features is ignored", file=sys.stderr)
-
-    enc = tok(str(data.get("source_prefix", "")) + transcript, max_length=int(data.get("max_source_tokens", 512)), truncation=True)
-    sample = {"id": tpath.stem, "input_ids": list(enc["input_ids"]), "labels": [tok.pad_token_id], "video": video, "summary": ""}
-    batch = collate_how2([sample], tok.pad_token_id, video_dim=cfg.video_dim, frames=None)
-    batch = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    out = model.generate(
-        batch,
-        max_len=args.max_len or int(ev.get("max_len", 64)),
-        beam_size=args.beam_size or int(ev.get("beam_size", 5)),
-        no_repeat_ngram_size=int(ev.get("no_repeat_ngram_size", 3)),
-        length_penalty=float(ev.get("length_penalty", 1.0)),
-        min_len=int(ev.get("min_len", 0)),
-    )
-    summary = tok.decode(out["tokens"][0], skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
     if args.json:
-        print(json.dumps({"summary": summary, "checkpoint": str(ckpt), "frames": 0 if video is None else int(video.shape[0])}))
+        print(json.dumps({"summary": out["summary"], "checkpoint": summarizer.info["checkpoint"],
+                          "frames": out["frames"]}))
     else:
-        print(summary)
+        print(out["summary"])
     return 0

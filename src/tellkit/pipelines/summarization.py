@@ -1,0 +1,109 @@
+"""Transcript (+ video features) -> summary: the inference pipeline of the summarization family
+(VG-BART / VG-T5, ``vg_gplm``, and the How2 ``seq2seq`` baseline) that ``tellkit summarize``
+calls and a server can call.
+
+``Summarizer.load(checkpoint)`` reads a checkpoint folder or a run folder of ``tellkit train``
+(its best checkpoint), the tokenizer saved beside it (else the backbone's), and the recipe stored
+with it: the ``data`` section says how inputs were prepared in training (``max_source_tokens``,
+``max_frames``, ``source_prefix``), the ``eval`` section holds the decoding settings
+(:class:`tellkit.tasks.summarization.SummaryGenerationConfig`). The tensors are built by the
+same dataset collation as training and evaluation, so a summary here equals the one
+``tellkit evaluate`` writes for the same example with one sample per batch.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from tellkit.errors import TellkitError
+from tellkit.pipelines.base import checkpoint_info
+
+FAMILIES = ("vg_gplm", "seq2seq")
+
+
+class Summarizer:
+    """``summarize(transcript, features=None) -> {"summary", "frames"}`` with one trained model."""
+
+    def __init__(self, model: Any, tokenizer: Any, data: Any, generation: Any, info: dict[str, Any],
+                 device: Any = "cpu"):
+        import torch
+
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.data = data  # tellkit.tasks.summarization.How2DataConfig
+        self.generation = generation  # SummaryGenerationConfig
+        self.info = info
+        self.device = torch.device(device)
+
+    @classmethod
+    def load(cls, checkpoint: str | os.PathLike, device: str = "cpu", **generation: Any) -> Summarizer:
+        """``generation``: overrides of the stored decoding settings (``beam_size``, ``max_len``,
+        ``min_len``, ``no_repeat_ngram_size``, ``length_penalty``; None keeps the stored value)."""
+        import torch
+
+        from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
+        from tellkit.config import from_dict
+        from tellkit.models.vg_gplm import load_tokenizer
+        from tellkit.tasks.summarization import How2DataConfig, SummaryGenerationConfig
+
+        ckpt = resolve_checkpoint(checkpoint)
+        meta = read_checkpoint_config(ckpt)
+        if meta["family"] not in FAMILIES:
+            raise TellkitError(
+                f"{ckpt}: a '{meta['family']}' checkpoint, not a summarization one ({', '.join(FAMILIES)})"
+            )
+        try:
+            dev = torch.device(device)
+        except RuntimeError as exc:
+            raise TellkitError(f"device: {exc}") from exc
+        data = from_dict(How2DataConfig, dict(meta.get("data") or {}), "stored recipe: data")
+        gen = SummaryGenerationConfig.from_eval(meta.get("eval"), **generation)
+        model = load_model(ckpt, map_location=dev)
+        tok = load_tokenizer(model.config.backbone, ckpt)
+        return cls(model, tok, data, gen, checkpoint_info(meta["family"], ckpt, meta), dev)
+
+    @property
+    def uses_video(self) -> bool:
+        m = self.model
+        return bool(len(getattr(m, "encoder_fusion", ())) + len(getattr(m, "decoder_fusion", ())))
+
+    def summarize(self, transcript: str, features: Any = None) -> dict[str, Any]:
+        """One summary. ``features``: a ``.npy`` path or a float array [T, video_dim]; needed
+        when the model fuses video, ignored (``video_ignored``: true) when it is text-only."""
+        import numpy as np
+        import torch
+
+        from tellkit.data.how2 import collate_how2, load_features
+
+        transcript = " ".join(str(transcript).split())
+        if not transcript:
+            raise TellkitError("the transcript is empty")
+        video = None
+        dim = getattr(self.model.config, "video_dim", 2048)
+        if self.uses_video:
+            if features is None:
+                raise TellkitError(f"this model fuses video: give video features (float32, shape (T, {dim}))")
+            if isinstance(features, (str, Path)):
+                video = load_features(features, self.data.max_frames, dim)
+            else:
+                arr = np.asarray(features, dtype=np.float32)
+                if arr.ndim != 2 or arr.shape[0] == 0 or arr.shape[1] != dim:
+                    raise TellkitError(f"video features must have shape (T, {dim}) with T >= 1, got {arr.shape}")
+                if not np.isfinite(arr).all():
+                    raise TellkitError("video features contain NaN or infinity")
+                video = np.ascontiguousarray(arr[: self.data.max_frames])
+        tok = self.tokenizer
+        enc = tok(self.data.source_prefix + transcript, max_length=self.data.max_source_tokens, truncation=True)
+        sample = {"id": "input", "input_ids": list(enc["input_ids"]), "labels": [tok.pad_token_id], "video": video,
+                  "summary": ""}
+        batch = collate_how2([sample], tok.pad_token_id, video_dim=dim, frames=None)
+        batch = {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+        with torch.no_grad():
+            out = self.model.generate(batch, **self.generation.kwargs())
+        summary = tok.decode(out["tokens"][0], skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
+        return {
+            "summary": summary,
+            "frames": 0 if video is None else int(video.shape[0]),
+            "video_ignored": features is not None and not self.uses_video,
+        }

@@ -1,0 +1,82 @@
+"""The summarization pipeline (``tellkit.pipelines.summarization.Summarizer``) on a tiny random
+VG-BART checkpoint written here: stored data / eval settings are honoured, the summary equals the
+model's own generate on the same tensors, ``tellkit summarize`` prints the same, bad input is a
+one-line error."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tellkit.cli import main as cli_main
+from tellkit.errors import TellkitError
+from tellkit.models.vg_gplm import VGGPLM, VGGPLMConfig, load_tokenizer, save_tiny_backbone
+from tellkit.pipelines.summarization import Summarizer
+
+TEXTS = ["learn how to peel and chop onions for lentil soup in this free video",
+         "use front layers as a guide to cut curly hair"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("vgpipe")
+    bb = save_tiny_backbone(d / "bb", "bart", TEXTS, d_model=16, layers=2, heads=2, ffn=32)
+    torch.manual_seed(0)
+    model = VGGPLM(VGGPLMConfig(backbone=str(bb), fusion="dot_product", forget_gate=True, video_dim=12, dropout=0.0))
+    model.load_backbone_weights()
+    extra = {"task": "summarization",
+             "data": {"max_frames": 4, "max_source_tokens": 9, "source_prefix": "learn "},
+             "eval": {"beam_size": 2, "max_len": 5, "no_repeat_ngram_size": 0, "batch_size": 3, "metrics": ["rouge"]}}
+    return model.save_pretrained(d / "ckpt", extra=extra, tokenizer=load_tokenizer(bb))
+
+
+def test_pipeline_uses_the_stored_settings(ckpt):
+    s = Summarizer.load(ckpt)
+    assert s.uses_video and s.generation.beam_size == 2 and s.generation.max_len == 5
+    video = np.random.default_rng(0).standard_normal((7, 12)).astype(np.float32)
+    out = s.summarize(TEXTS[1], video)
+    assert out["frames"] == 4 and not out["video_ignored"]
+    # by hand: prefix + transcript cut to 9 tokens, the first 4 frames, beam 2, 5 new tokens
+    tok = s.tokenizer
+    ids = tok("learn " + TEXTS[1], max_length=9, truncation=True)["input_ids"]
+    assert len(ids) == 9
+    batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, 9, dtype=torch.long),
+             "video": torch.from_numpy(video[:4])[None], "video_mask": torch.ones(1, 4, dtype=torch.bool)}
+    gen = s.model.generate(batch, beam_size=2, max_len=5, no_repeat_ngram_size=0)
+    assert out["summary"] == tok.decode(gen["tokens"][0], skip_special_tokens=True).strip()
+    assert 1 <= len(tok(out["summary"])["input_ids"]) <= 5 + 2
+    # overrides of the stored decoding settings
+    assert Summarizer.load(ckpt, beam_size=1, max_len=None).generation.beam_size == 1
+    with pytest.raises(TellkitError):
+        Summarizer.load(ckpt, beam_size=0)
+
+
+def test_pipeline_bad_input(ckpt, tmp_path):
+    s = Summarizer.load(ckpt)
+    with pytest.raises(TellkitError, match="fuses video"):
+        s.summarize(TEXTS[0])
+    with pytest.raises(TellkitError, match="shape"):
+        s.summarize(TEXTS[0], np.zeros((3, 5), dtype=np.float32))
+    with pytest.raises(TellkitError, match="empty"):
+        s.summarize("  ", np.zeros((3, 12), dtype=np.float32))
+    with pytest.raises(TellkitError):
+        Summarizer.load(tmp_path / "missing")
+
+
+def test_summarize_cli_prints_the_pipeline_summary(ckpt, tmp_path):
+    video = np.random.default_rng(1).standard_normal((3, 12)).astype(np.float32)
+    np.save(tmp_path / "v.npy", video)
+    (tmp_path / "t.txt").write_text(TEXTS[0] + "\n")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli_main(["summarize", "--transcript", str(tmp_path / "t.txt"), "--features", str(tmp_path / "v.npy"),
+                       "--checkpoint", str(ckpt), "--json"])
+    assert rc == 0
+    res = json.loads(buf.getvalue())
+    assert res["summary"] == Summarizer.load(ckpt).summarize(TEXTS[0], video)["summary"] and res["frames"] == 3
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert cli_main(["summarize", "--transcript", str(tmp_path / "t.txt"), "--checkpoint", str(ckpt)]) == 2

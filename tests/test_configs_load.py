@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tellkit.config import load_yaml
+from tellkit.config import check_recipe_sections, load_yaml
 from tellkit.errors import TellkitError
 from tellkit.registry import build_config, create_model
 from tellkit.tasks import get_task
@@ -41,6 +41,7 @@ def test_recipe_loads_and_builds_on_meta(path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a placeholder must not wait for the network
     recipe = load_yaml(path)
     assert "base" not in recipe  # inheritance resolved
+    check_recipe_sections(recipe, str(path))  # `tellkit train` refuses unknown top-level sections
     assert isinstance(recipe.get("task"), str) and recipe["model"]["name"]
     train_config(recipe)
     task = get_task(recipe["task"])(recipe)

@@ -11,13 +11,25 @@ NAME = "evaluate"
 HELP = "generate for a data split with a checkpoint and score it (JSON summary + per-example JSONL)"
 
 
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="checkpoint folder, or a run folder (its best checkpoint is used)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides of the stored recipe (right after CHECKPOINT)")
     p.add_argument("--data", help="data location (sets data.root of the stored recipe)")
     p.add_argument("--split", default="test", help="train, val or test (default: test)")
     p.add_argument("--out", help="output folder (default: <run>/eval, or <checkpoint>/eval)")
-    p.add_argument("--batch-size", type=int, default=None, help="default: eval.batch_size or train.batch_size")
+    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: eval.batch_size or train.batch_size")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -39,7 +51,11 @@ def run(args) -> int:
         raise TellkitError(f"{ckpt}: the checkpoint does not name its task (it was not written by `tellkit train`)")
     skip = {"format_version", "family", "config", "tellkit_version"}
     recipe = {**{k: v for k, v in meta.items() if k not in skip}, "model": {"name": meta["family"], **meta["config"]}}
+    if not isinstance(meta["task"], str):
+        raise TellkitError(f"{ckpt}: 'task' in config.json must be a task name")
     for section in ("data", "eval", "train"):
+        if not isinstance(recipe.get(section) or {}, dict):
+            raise TellkitError(f"{ckpt}: the '{section}' section of config.json must be a mapping")
         recipe[section] = dict(recipe.get(section) or {})
     if args.data:
         if not Path(args.data).exists():

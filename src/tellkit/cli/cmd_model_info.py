@@ -18,18 +18,27 @@ def run(args) -> int:
     import torch
 
     from tellkit.config import parse_overrides, to_dict
+    from tellkit.errors import TellkitError
     from tellkit.registry import create_model
 
     over = parse_overrides(args.overrides)
     over = over.get("model", over)
-    with torch.device("meta"):  # counts only: no memory, no init time
-        if Path(args.config).is_dir():
-            from tellkit.checkpoint import read_checkpoint_config
+    if Path(args.config).is_dir():
+        from tellkit.checkpoint import check_config_values, read_checkpoint_config
 
-            meta = read_checkpoint_config(args.config)
-            model = create_model({"name": meta["family"], **meta["config"]}, **over)
-        else:
-            model = create_model(args.config, **over)
+        meta = read_checkpoint_config(args.config)
+        check_config_values(meta["config"], str(Path(args.config) / "config.json"))
+        source: object = {"name": meta["family"], **meta["config"]}
+    else:
+        source = args.config
+    try:
+        with torch.device("meta"):  # counts only: no memory, no init time
+            model = create_model(source, **over)
+    except TellkitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a config that does not build is bad input, not a crash
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise TellkitError(f"{args.config}: the model config does not build ({type(exc).__name__}: {first})") from exc
     info = {
         "family": model.family,
         "trainable_params": model.num_parameters(trainable_only=True),

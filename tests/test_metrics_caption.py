@@ -194,3 +194,67 @@ def test_entities_with_the_spacy_model():
     pytest.importorskip("spacy")
     got = entity_scores({"a": "Barack Obama visited Paris on Monday."}, {"a": "Barack Obama visited Paris on Monday."})
     assert got["entities_precision"] == 100.0 and got["person_recall"] == 100.0
+
+
+class WordNLP:
+    """One entity per listed word, every occurrence (duplicates kept); capitalised words are PROPN."""
+
+    ENTS = {"Obama": "PERSON", "Biden": "PERSON", "Paris": "GPE", "Monday": "DATE"}
+
+    def pipe(self, texts):
+        for t in texts:
+            words = t.split()
+            doc = _Doc(_Tok(w, "PROPN" if w[:1].isupper() else "NOUN") for w in words)
+            doc.ents = [_Ent(w, self.ENTS[w]) for w in words if w in self.ENTS]
+            yield doc
+
+
+def test_entities_are_counted_over_lists_with_duplicates():
+    # generated [Obama, Obama, Paris], reference [Obama, Biden]:
+    # precise = Obama + Obama (each found in the reference list) = 2 of 3 generated;
+    # recalled = Obama (found in the generated list) = 1 of 2 (as sets it would be 1/2 and 1/2)
+    got = entity_scores({"a": "Obama met Obama in Paris"}, {"a": "Obama and Biden"}, nlp=WordNLP())
+    assert got["entities_precision"] == pytest.approx(200 / 3) and got["entities_recall"] == pytest.approx(50.0)
+    assert got["person_precision"] == pytest.approx(100.0) and got["person_recall"] == pytest.approx(50.0)
+    # generated [Biden], reference [Biden, Biden, Monday]: precision 1/1, recall 2/3
+    got = entity_scores({"a": "Biden"}, {"a": "Biden greets Biden on Monday"}, nlp=WordNLP())
+    assert got["entities_precision"] == 100.0 and got["entities_recall"] == pytest.approx(200 / 3)
+
+
+def test_rare_proper_nouns_use_training_caption_proper_nouns_only():
+    from tellkit.metrics.ner import train_proper_nouns
+
+    vocab = train_proper_nouns(["Obama spoke to reporters", "the mayor of Paris"], nlp=WordNLP())
+    assert vocab == {"Obama", "Paris"}  # "the", "mayor", "reporters" are not proper nouns
+    got = entity_scores({"a": "Zed and Zed met Obama"}, {"a": "Zed greets Obama in Quux"}, nlp=WordNLP(),
+                        train_words=vocab)
+    # rare generated [Zed, Zed] both in the reference list -> 2/2; rare reference [Zed, Quux] -> 1/2
+    assert got["rare_proper_nouns_precision"] == 100.0 and got["rare_proper_nouns_recall"] == 50.0
+
+
+def test_ner_model_is_the_best_installed_and_named():
+    pytest.importorskip("spacy")
+    import spacy
+
+    from tellkit.metrics.ner import PREFERRED, resolve_model
+
+    installed = set(spacy.util.get_installed_models())
+    best = next(m for m in PREFERRED if m in installed)
+    assert resolve_model("auto") == resolve_model(None) == best and resolve_model("xx_custom") == "xx_custom"
+    got = entity_scores({"a": "Barack Obama visited Paris."}, {"a": "Barack Obama visited Paris."}, with_model=True)
+    assert got["ner_model"] == best and got["entities_recall"] == 100.0
+    with pytest.raises(TellkitError, match="not installed"):
+        entity_scores({"a": "x"}, {"a": "x"}, model="xx_no_such_pipeline")
+
+
+def test_rouge_l_keeps_the_reference_whitespace():
+    # "Doe - left" loses the dash and keeps both spaces: tokens [Jane, Doe, "", left] against
+    # [Jane, Doe, left]: LCS 3, P = 3/4, R = 1, F(beta 1.2) = 2.44 P R / (R + 1.44 P)
+    pred, refs = {"a": "Jane Doe - left"}, {"a": ["Jane Doe left"]}
+    p, r, b2 = 0.75, 1.0, 1.2 ** 2
+    assert score_captions(pred, refs, metrics=["rouge"])["rouge_l"] == pytest.approx(100 * (1 + b2) * p * r / (r + b2 * p))
+    assert score_captions(pred, refs, metrics=["rouge"], rouge_whitespace="collapsed")["rouge_l"] == pytest.approx(100.0)
+    # BLEU / CIDEr split on any whitespace: the empty token does not exist for them
+    assert score_captions(pred, refs, metrics=["bleu"])["bleu1"] == pytest.approx(100.0)
+    with pytest.raises(TellkitError, match="rouge_whitespace"):
+        score_captions(pred, refs, metrics=["rouge"], rouge_whitespace="nope")

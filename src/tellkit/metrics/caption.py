@@ -7,6 +7,10 @@ and Tell reference protocol:
 - BLEU-1..4 (corpus level, "closest" reference length), METEOR 1.5 (``-norm``; needs Java),
   ROUGE-L (beta 1.2, sentence average), CIDEr-D (n=4, sigma=6, document frequencies from the
   references of the WHOLE scored set: never average per-batch CIDEr).
+- ROUGE-L sees the text as the reference scored it (``rouge_whitespace="reference"``):
+  punctuation deleted but whitespace left as it is, and pycocoevalcap splits on single spaces,
+  so "Doe - left" becomes "Doe  left" with an empty token between the words, which counts in
+  the lengths. ``rouge_whitespace="collapsed"`` scores the collapsed text like the other metrics.
 
     from tellkit.metrics.caption import score_captions
     score_captions({"a": "A dog runs"}, {"a": ["A dog is running", "The dog runs"]})
@@ -33,6 +37,14 @@ def normalize(text: str) -> str:
     return _SPACE.sub(" ", _PUNCT.sub("", text)).strip()
 
 
+def strip_punctuation(text: str) -> str:
+    """Punctuation removed, whitespace untouched (what the reference handed to ROUGE-L)."""
+    return _PUNCT.sub("", text)
+
+
+ROUGE_WHITESPACE = ("reference", "collapsed")
+
+
 def _prepare(predictions: Mapping[str, str], references: Mapping[str, Iterable[str]], norm: bool):
     if set(predictions) != set(references):
         missing = sorted(set(references) - set(predictions))[:3]
@@ -57,6 +69,7 @@ def score_captions_detailed(
     metrics: Iterable[str] = METRICS,
     *,
     normalize_text: bool = True,
+    rouge_whitespace: str = "reference",
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """(corpus scores, per-id scores). Per-id BLEU is the sentence-level score, per-id CIDEr-D is
     computed with the corpus document frequencies."""
@@ -65,6 +78,8 @@ def score_captions_detailed(
     unknown = set(metrics) - set(METRICS)
     if unknown:
         raise TellkitError(f"unknown caption metric(s) {sorted(unknown)}; known: {', '.join(METRICS)}")
+    if rouge_whitespace not in ROUGE_WHITESPACE:
+        raise TellkitError(f"rouge_whitespace must be one of {', '.join(ROUGE_WHITESPACE)}, got {rouge_whitespace!r}")
     res, gts = _prepare(predictions, references, normalize_text)
     ids = list(res)
     corpus: dict[str, float] = {}
@@ -86,7 +101,13 @@ def score_captions_detailed(
     if "rouge" in metrics:
         from pycocoevalcap.rouge.rouge import Rouge
 
-        put("rouge_l", *Rouge().compute_score(gts, res))
+        r_res, r_gts = res, {i: gts[i] for i in ids}  # scored in the order of ``ids``
+        if normalize_text and rouge_whitespace == "reference":
+            preds = {str(k): v for k, v in predictions.items()}
+            refs_by_id = {str(k): list(v) for k, v in references.items()}
+            r_res = {i: [strip_punctuation(preds[i])] for i in ids}
+            r_gts = {i: [strip_punctuation(r) for r in refs_by_id[i]] for i in ids}
+        put("rouge_l", *Rouge().compute_score(r_gts, r_res))
     if "cider" in metrics:
         from pycocoevalcap.cider.cider import Cider
 
@@ -95,10 +116,12 @@ def score_captions_detailed(
 
 
 def score_captions(predictions: Mapping[str, str], references: Mapping[str, Iterable[str]],
-                   metrics: Iterable[str] = METRICS, *, normalize_text: bool = True) -> dict[str, float]:
+                   metrics: Iterable[str] = METRICS, *, normalize_text: bool = True,
+                   rouge_whitespace: str = "reference") -> dict[str, float]:
     """Corpus-level scores (x100) for ``predictions`` (id -> caption) against ``references``
     (id -> list of captions). ``metrics``: any of bleu, meteor, rouge, cider."""
-    return score_captions_detailed(predictions, references, metrics, normalize_text=normalize_text)[0]
+    return score_captions_detailed(predictions, references, metrics, normalize_text=normalize_text,
+                                   rouge_whitespace=rouge_whitespace)[0]
 
 
 def _meteor(gts, res):

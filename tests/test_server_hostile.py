@@ -235,3 +235,16 @@ def test_utf8_article_is_read_exactly(server):
     data, ctype = _form_with_raw_article(text.encode("utf-8"))
     s, _, body = send_all_then_read(server.url, "/api/caption", data, {"Content-Type": ctype})
     assert s == 200 and body["article_text"] == text
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--max-decoding", "0"], "--max-decoding must be >= 1"),
+    (["--header-timeout", "0"], "--header-timeout must be > 0"),
+    (["--body-timeout", "-1"], "--body-timeout must be > 0"),
+])
+def test_cli_refuses_bad_limits_in_one_line(argv, msg, capsys):
+    from tellkit.cli import main
+
+    assert main(["serve", "--api-only", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1, err

@@ -25,6 +25,14 @@ def add_arguments(p) -> None:
     p.add_argument("--max-upload-mb", type=float, default=8.0, help="request body limit in MiB (default 8)")
     p.add_argument("--max-image-pixels", type=int, default=16_000_000, help="image width x height limit (default 16M)")
     p.add_argument("--max-article-chars", type=int, default=20_000, help="article length limit (default 20000)")
+    p.add_argument("--max-decoding", type=int, default=2,
+                   help="images decoded at once; each holds up to ~100 MiB at the default pixel limit (default 2)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds for a request's line and headers to arrive (default 10)")
+    p.add_argument("--body-idle-timeout", type=float, default=15.0,
+                   help="longest silence in seconds while a request body arrives (default 15)")
+    p.add_argument("--body-timeout", type=float, default=120.0,
+                   help="seconds for a whole request body to arrive (default 120)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--api-only", action="store_true", help="serve the API without the page")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -113,9 +121,16 @@ def run(args) -> int:
         raise TellkitError(f"--port {args.port}: out of range")
     try:
         limits = Limits(max_upload_bytes=int(args.max_upload_mb * 1024 * 1024), max_image_pixels=args.max_image_pixels,
-                        max_article_chars=args.max_article_chars, request_timeout_s=args.timeout)
+                        max_article_chars=args.max_article_chars, request_timeout_s=args.timeout,
+                        max_decoding=args.max_decoding, header_timeout_s=args.header_timeout,
+                        body_idle_timeout_s=args.body_idle_timeout, body_timeout_s=args.body_timeout)
     except ValueError as exc:
-        raise TellkitError(str(exc)) from None
+        flags = {"max_upload_bytes": "--max-upload-mb", "max_image_pixels": "--max-image-pixels",
+                 "max_article_chars": "--max-article-chars", "request_timeout_s": "--timeout",
+                 "max_decoding": "--max-decoding", "header_timeout_s": "--header-timeout",
+                 "body_idle_timeout_s": "--body-idle-timeout", "body_timeout_s": "--body-timeout"}
+        field, _, rest = str(exc).partition(" ")
+        raise TellkitError(f"{flags.get(field, field)} {rest}") from None
     if args.max_batch < 1:
         raise TellkitError("--max-batch must be >= 1")
     if not args.api_only:

@@ -81,7 +81,9 @@ def test_kill_at_any_phase_of_a_save_then_resume_bit_exact(ctx, reference, tmp_p
     assert_same(reference, out)
     ck = out / "checkpoints"
     assert not list(ck.glob("*.tmp"))
-    assert {p.name for p in ck.iterdir() if p.name.startswith("step_")} == {(ck / "last").resolve().name}
+    names = {p.name for p in ck.iterdir() if p.name.startswith("step_")}
+    # a kill after `last` moved but before pruning leaves the replaced state until the next save
+    assert (ck / "last").resolve().name in names and len(names) <= 2, names
 
 
 @pytest.mark.slow

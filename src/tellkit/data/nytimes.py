@@ -115,9 +115,14 @@ def load_nytimes_archive(
     limit: int | None = None,
 ) -> list[CaptionSample]:
     """Samples of ``split`` (None = all) from a mongodump archive of the ``nytimes`` database.
-    With ``objects``, a second pass reads collection ``objects`` for the chosen images only
-    (each document is 64 x 2048 numbers at most: only the needed ones are kept)."""
+    ``image_root``: the images' folder; by default ``images_processed`` beside the archive when
+    it exists (the release's layout). With ``objects``, a second pass reads collection
+    ``objects`` for the chosen images only (each document is 64 x 2048 numbers at most: only
+    the needed ones are kept)."""
     from tellkit.data.mongo_archive import iter_documents
+
+    if image_root is None and (Path(path).parent / "images_processed").is_dir():
+        image_root = Path(path).parent / "images_processed"
 
     docs = (doc for _, doc in iter_documents(path, {f"{db}.articles"}, skip_fields=("parts_of_speech",)))
     samples = _collect(docs, split, image_root, limit)

@@ -115,7 +115,8 @@ def test_article_between_1_and_8_mib_is_413_article_too_long():
             s, _, body = send_all_then_read(srv.url, "/api/caption", data, {"Content-Type": ctype})
             assert (s, body["error"]) == (413, "article_too_long"), body
             assert "20,000" in body["detail"]
-        s, b = post(srv.url + "/api/caption", fields={"article": "word " * 3_999}, files={"image": ("a.png", png(), "image/png")})
+        s, b = post(srv.url + "/api/caption", fields={"article": "word " * 3_999},
+                    files={"image": ("a.png", png(), "image/png")})
         assert s == 200 and b["article_text"] == ("word " * 3_999).strip()
 
 
@@ -150,7 +151,7 @@ def _raw(url: str, payload: bytes, wait_s: float = 5.0, drip: list[bytes] | None
         while time.monotonic() - t0 < wait_s:
             try:
                 got = s.recv(65536)
-            except (socket.timeout, ConnectionResetError):
+            except (TimeoutError, ConnectionResetError):
                 break
             if not got:
                 break

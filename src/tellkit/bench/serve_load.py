@@ -185,7 +185,8 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
                                 files={"image": (name, data, "image/jpeg")}, timeout=timeout)
             kind = "caption"
         else:
-            status, body = post(url + "/api/recognize", files={"image": ("expr.png", math, "image/png")}, timeout=timeout)
+            status, body = post(url + "/api/recognize", files={"image": ("expr.png", math, "image/png")},
+                                timeout=timeout)
             kind = "math"
         return kind, status, time.perf_counter() - t0, (None if status == 200 else body)
 
@@ -255,18 +256,20 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     res = run(requests=a.requests, concurrency=a.concurrency, threads=a.threads,
               model_args=["--untrained"] if a.untrained else None)
-    record = {"suite": "serve_load", "machine": machine(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    record = {"suite": "serve_load", "machine": machine(),
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "results": res}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / "serve_load.json", record)
     for label, r in res["runs"].items():
-        print(f"{label}: {r['throughput_rps']} req/s ({r['bad_requests']['sent']} bad), p50 {r['latency'].get('p50_ms')} ms, p99 {r['latency'].get('p99_ms')} ms, "
+        print(f"{label}: {r['throughput_rps']} req/s ({r['bad_requests']['sent']} bad), "
+              f"p50 {r['latency'].get('p50_ms')} ms, p99 {r['latency'].get('p99_ms')} ms, "
               f"errors {r['errors']}, peak RSS {r['memory_mib']['peak_rss']} MiB")
     big = res.get("large_uploads")
     if big:
-        print(f"{big['uploads']} concurrent {big['upload_bytes']:,}-byte 16-bit 4000x4000 PNGs: RSS {big['rss_before_mib']} -> "
-              f"peak {big['peak_rss_mib']} MiB, statuses {big['status_counts']}")
+        print(f"{big['uploads']} concurrent {big['upload_bytes']:,}-byte 16-bit 4000x4000 PNGs: "
+              f"RSS {big['rss_before_mib']} -> peak {big['peak_rss_mib']} MiB, statuses {big['status_counts']}")
     print(f"wrote {out / 'serve_load.json'}")
     return 0 if res["total_errors"] == 0 else 1
 

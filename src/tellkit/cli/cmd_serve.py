@@ -12,7 +12,8 @@ def add_arguments(p) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--checkpoint", action="append", default=[], metavar="MODEL=DIR",
                    help="checkpoint (or run folder) per model: caption=DIR (Transform and Tell), math=DIR (BTTR); "
-                        "repeatable. Only these (and the packaged defaults) are ever loaded; clients cannot choose paths")
+                        "repeatable. Only these (and the packaged defaults) are ever loaded; "
+                        "clients cannot choose paths")
     p.add_argument("--models", default="caption,math",
                    help="which endpoints to serve: caption, math or both (default caption,math)")
     p.add_argument("--untrained", action="store_true",
@@ -20,7 +21,8 @@ def add_arguments(p) -> None:
                         "try the page and API without trained models")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--max-batch", type=int, default=8, help="requests grouped into one forward pass (default 8)")
-    p.add_argument("--max-wait-ms", type=float, default=10.0, help="how long the worker waits to fill a batch (default 10)")
+    p.add_argument("--max-wait-ms", type=float, default=10.0,
+                   help="how long the worker waits to fill a batch (default 10)")
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds (default 60)")
     p.add_argument("--max-upload-mb", type=float, default=8.0, help="request body limit in MiB (default 8)")
     p.add_argument("--max-image-pixels", type=int, default=16_000_000, help="image width x height limit (default 16M)")

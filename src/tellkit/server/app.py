@@ -7,10 +7,13 @@
     GET  /openapi.json     the schema (the Swagger/ReDoc pages are off: they load from a CDN)
 
 Each model runs on its own :class:`~tellkit.server.batching.BatchWorker` thread, so concurrent
-requests share forward passes and the event loop never runs a model. Errors are JSON
+requests share forward passes and the event loop never runs a model; uploads are decoded on
+``max_decoding`` threads by :mod:`tellkit.utils.images`. A guard in front of the app
+(:class:`_RequestGuard`) enforces the body limits while the body arrives. Errors are JSON
 ``{"error": code, "detail": message}`` with a 4xx status for anything the client can fix
-(413 oversize body / image / article, 415 wrong type, 422 bad or blank input), 503 for a model
-that is not loaded or a full queue, 504 past the per-request timeout.
+(400 unreadable or non-UTF-8, 408 too slow, 413 oversize body / image / article, 415 wrong type,
+422 bad or blank input), 503 for a model that is not loaded or a full server, 504 past the
+per-request timeout. docs/server.md lists every limit and code.
 """
 # no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are
 # imported lazily inside create_app.
@@ -109,8 +112,9 @@ class _FormScanner:
             self.chars += len(self.decoder.decode(raw, final))
         except UnicodeDecodeError as exc:
             at = self.bytes + exc.start
-            self._fail(400, "not_utf8", f"the '{self.name}' field is not valid UTF-8 (byte 0x{exc.object[exc.start]:02x} "
-                       f"near offset {at:,}); send the text encoded as UTF-8")
+            byte = exc.object[exc.start]
+            self._fail(400, "not_utf8", f"the '{self.name}' field is not valid UTF-8 (byte 0x{byte:02x} near offset "
+                       f"{at:,}); send the text encoded as UTF-8")
         self.bytes += len(raw)
         if self.chars > self.max_chars:
             code = "article_too_long" if self.name == "article" else "field_too_long"
@@ -327,7 +331,8 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         for e in exc.errors():
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        return JSONResponse({"error": "invalid_request", "detail": "; ".join(parts) or "invalid request"}, status_code=422)
+        return JSONResponse({"error": "invalid_request", "detail": "; ".join(parts) or "invalid request"},
+                            status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req, exc: StarletteHTTPException):
@@ -451,7 +456,8 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
 
     @app.post("/api/recognize", tags=["models"], summary="Recognise a handwritten math expression as LaTeX",
               responses=errors(400, 413, 415, 422, 503, 504), response_model=RecognizeResponse)
-    async def recognize(image: UploadFile = File(..., description="dark ink on a light background, or the reverse")) -> dict:
+    async def recognize(
+            image: UploadFile = File(..., description="dark ink on a light background, or the reverse")) -> dict:
         t0 = time.perf_counter()
         img, original = await read_image(image, limits.math_max_side)
         res = await run_model("math", img, t0)

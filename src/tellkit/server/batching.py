@@ -12,8 +12,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Callable, Sequence
+from typing import Any
 
 
 class QueueFull(Exception):
@@ -134,4 +135,5 @@ class BatchWorker:
         with self._lock:
             s = dict(self.stats)
         s["busy_s"] = round(s["busy_s"], 3)
-        return {**s, "queued": self.queued(), "max_batch": self.max_batch, "max_wait_ms": round(self.max_wait_s * 1000, 1)}
+        return {**s, "queued": self.queued(), "max_batch": self.max_batch,
+                "max_wait_ms": round(self.max_wait_s * 1000, 1)}

@@ -67,8 +67,8 @@ def decode_image(source, limits: Limits, declared_type: str | None = None, max_s
     from tellkit.utils.images import decode_image as safe_decode
 
     if declared_type and not (declared_type.startswith("image/") or declared_type == "application/octet-stream"):
-        raise RequestError(415, "unsupported_media_type",
-                           f"expected an image upload (PNG, JPEG, WebP, BMP or GIF), got content type '{declared_type}'")
+        raise RequestError(415, "unsupported_media_type", "expected an image upload (PNG, JPEG, WebP, BMP or GIF), "
+                           f"got content type '{declared_type}'")
     try:
         out = safe_decode(source, max_pixels=limits.max_image_pixels, mode="RGB", max_side=max_side,
                           formats=tuple(IMAGE_FORMATS), min_side=limits.min_image_side)

@@ -117,7 +117,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self.server.run, name="tellkit-test-server", daemon=True)
         self.start_timeout = start_timeout
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self._thread.start()
         t0 = time.monotonic()
         while not self.server.started:

@@ -43,7 +43,7 @@ _STRIP_PIXELS = 1 << 20  # pixels converted at once (a strip of rows)
 _ORIENTATION = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_270",
                 7: "TRANSVERSE", 8: "ROTATE_90"}
 
-Source = Union[str, os.PathLike, bytes, bytearray, memoryview, IO[bytes]]
+Source = Union[str, os.PathLike, bytes, bytearray, memoryview, IO[bytes]]  # noqa: UP007 - a runtime alias on 3.10
 
 
 class ImageError(TellkitError):

@@ -9,8 +9,8 @@ def add_arguments(p) -> None:
     p.add_argument("src", help="the reference checkpoint file (.ckpt, .th, .pt or .safetensors)")
     p.add_argument("--out", required=True, help="new tellkit checkpoint folder (must not exist or be empty)")
     p.add_argument("--family", help="model family (default: recognised from the tensor names)")
-    p.add_argument("options", nargs="*", metavar="KEY=VALUE",
-                   help="converter options (e.g. dictionary=dictionary.txt for BTTR)")
+    p.add_argument("-o", "--option", dest="options", action="append", default=[], metavar="KEY=VALUE",
+                   help="a converter option, repeatable (BTTR: dictionary=dictionary.txt, nhead=8)")
 
 
 def run(args) -> int:

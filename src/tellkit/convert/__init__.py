@@ -8,16 +8,18 @@ Each model family that can be imported has a module here (``tellkit.convert.<fam
         # -> (model config fields, tellkit state dict); raise TellkitError on a mismatch
 
 Reference checkpoints are PyTorch pickles (a Lightning ``.ckpt``, an AllenNLP ``best.th``).
-They are read with ``torch.load(weights_only=True)``: only tensors and plain containers are
-rebuilt, and classes the file names (Lightning's ``AttributeDict``, optimizer state classes)
-are replaced by inert stand-ins, so reading an untrusted file never executes its code.
+They are read with ``torch.load(weights_only=True)``, or, when the file also names other classes
+(Lightning's ``AttributeDict``, callback states), by a restricted unpickler that rebuilds tensors
+itself and replaces every other class by an inert stand-in: reading an untrusted file never
+executes its code.
 """
 from __future__ import annotations
 
 import importlib
 import os
 import pickle
-import re
+import zipfile
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ CONVERTERS = ("bttr", "transform_and_tell")
 
 
 class _Inert(dict):
-    """Stand-in for a class named inside a reference pickle: keeps its state as a dict."""
+    """Stand-in for any class named inside a reference pickle: keeps its state as a dict and
+    runs nothing (optimizer states, Lightning's ``AttributeDict``, callbacks...)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__()
@@ -37,37 +40,98 @@ class _Inert(dict):
             self.update(args[0])
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, dict):
-            self.update(state)
-        elif isinstance(state, tuple):
-            for part in state:
-                if isinstance(part, dict):
-                    self.update(part)
+        for part in state if isinstance(state, tuple) else (state,):
+            if isinstance(part, dict):
+                self.update(part)
 
 
-_UNSUPPORTED = re.compile(r"(?:Unsupported global: GLOBAL|global) ([\w.]+)")
+def _rebuild_tensor(flat: torch.Tensor, offset: int, size, stride, *_: Any) -> torch.Tensor:
+    return flat.as_strided(tuple(size), tuple(stride), int(offset))
+
+
+def _rebuild_parameter(data: torch.Tensor, *_: Any) -> torch.Tensor:
+    return data
+
+
+_ALLOWED = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Rebuilds tensors from a PyTorch zip checkpoint with tellkit's own functions; every other
+    class becomes an inert stand-in, so nothing the file names is ever imported or called."""
+
+    def __init__(self, fh, archive: zipfile.ZipFile, prefix: str):
+        super().__init__(fh)
+        self.archive, self.prefix = archive, prefix
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return _ALLOWED[(module, name)]
+        if module == "torch" and name.endswith("Storage"):
+            dtype = _STORAGE_DTYPES.get(name)
+            if dtype is None:
+                raise pickle.UnpicklingError(f"unknown storage type torch.{name}")
+            return dtype
+        if module == "torch" and hasattr(torch, name) and isinstance(getattr(torch, name), torch.dtype):
+            return getattr(torch, name)
+        return type(name, (_Inert,), {"__module__": "tellkit.convert.stand_in"})
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
+        _, dtype, key, _location, numel = pid[:5]
+        if not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError("unsupported storage")
+        raw = self.archive.read(f"{self.prefix}/data/{key}")
+        flat = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
+        return flat[: int(numel)] if int(numel) <= flat.numel() else flat
+
+
+_STORAGE_DTYPES = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+}
+
+
+def _load_zip_checkpoint(p: Path) -> Any:
+    try:
+        archive = zipfile.ZipFile(p)
+    except zipfile.BadZipFile:
+        raise TellkitError(f"{p}: not a readable PyTorch checkpoint (an old-style pickle that holds classes "
+                           "other than tensors; re-save it as a plain state dict)") from None
+    with archive:
+        names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+        if not names:
+            raise TellkitError(f"{p}: a zip file, but not a PyTorch checkpoint (no data.pkl)")
+        prefix = names[0].rsplit("/", 1)[0] if "/" in names[0] else ""
+        with archive.open(names[0]) as fh:
+            try:
+                return _SafeUnpickler(fh, archive, prefix).load()
+            except Exception as exc:  # noqa: BLE001 - any failure means an unreadable file
+                raise TellkitError(f"{p}: not a readable PyTorch checkpoint ({exc})") from None
 
 
 def read_pickled_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a reference ``.ckpt`` / ``.th`` / ``.pt`` file without executing any of its code."""
+    """Read a reference ``.ckpt`` / ``.th`` / ``.pt`` file without executing any of its code:
+    ``torch.load(weights_only=True)`` first; a file that also holds other classes (a Lightning
+    checkpoint) is read by :class:`_SafeUnpickler`, which replaces them by inert stand-ins."""
     p = Path(path)
     if not p.is_file():
         raise TellkitError(f"{p}: no such file")
-    stand_ins: list[tuple[type, str]] = []
-    for _ in range(64):  # each round allows one more class name, as an inert stand-in
-        try:
-            with torch.serialization.safe_globals(stand_ins):
-                obj = torch.load(p, map_location="cpu", weights_only=True)
-            break
-        except pickle.UnpicklingError as exc:
-            m = _UNSUPPORTED.search(str(exc))
-            if not m or any(name == m.group(1) for _, name in stand_ins):
-                raise TellkitError(f"{p}: not a readable PyTorch checkpoint ({str(exc).splitlines()[0]})") from None
-            stand_ins.append((type(m.group(1).rsplit(".", 1)[-1], (_Inert,), {}), m.group(1)))
-        except (RuntimeError, EOFError, OSError, ValueError) as exc:
-            raise TellkitError(f"{p}: not a readable PyTorch checkpoint ({str(exc).splitlines()[0]})") from None
-    else:
-        raise TellkitError(f"{p}: too many unknown classes inside the checkpoint")
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        obj = _load_zip_checkpoint(p)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        raise TellkitError(f"{p}: not a readable PyTorch checkpoint ({str(exc).splitlines()[0]})") from None
     if not isinstance(obj, dict):
         raise TellkitError(f"{p}: expected a dict of tensors, found {type(obj).__name__}")
     return obj

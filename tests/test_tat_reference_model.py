@@ -58,3 +58,13 @@ def test_reference_adaptive_loss_option_changes_only_relative_pad_targets():
 def test_bad_position_start():
     with pytest.raises(tellkit.TellkitError, match="position_start"):
         tellkit.create_model("tat/tiny", **TINY, position_start=-1)
+
+
+@pytest.mark.parametrize("name", ["tat/nytimes_faces", "tat/nytimes_full", "tat/goodnews"])
+def test_paper_recipes_decode_greedily_for_100_steps(name):
+    from tellkit.config import load_yaml
+
+    r = load_yaml(name)
+    assert r["eval"]["beam_size"] == 1 and r["eval"]["max_len"] == 100
+    assert r["data"]["max_article_tokens"] == 512  # 510 BPE tokens + <s> </s>
+    assert r["data"]["context"] == ("first_tokens" if name == "tat/goodnews" else "location_aware")

@@ -94,6 +94,7 @@ def test_every_limit_answers_its_json_error(server):
     cases = [  # (path, fields, files, status, code)
         ("/api/caption", {"article": "x" * 2_001}, {"image": ("a.png", png(), "image/png")}, 413, "article_too_long"),
         ("/api/caption", {"article": "é" * 2_001}, {"image": ("a.png", png(), "image/png")}, 413, "article_too_long"),
+        ("/api/caption", {"note": "x" * 2_001}, {"image": ("a.png", png(), "image/png")}, 413, "field_too_long"),
         ("/api/caption", None, {"image": ("a.png", png(1000, 1000), "image/png")}, 413, "image_too_large"),
         ("/api/recognize", None, {"image": ("a.png", png(4, 4), "image/png")}, 422, "image_too_small"),
         ("/api/recognize", None, {"image": ("a.txt", b"hello", "text/plain")}, 415, "unsupported_media_type"),

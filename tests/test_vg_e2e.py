@@ -43,9 +43,29 @@ def test_recipes_parse(path):
     recipe = load_yaml(path)
     assert recipe["task"] == "summarization" and recipe["model"]["name"] == "vg_gplm"
     task = SummarizationTask(recipe)  # validates data / eval sections and the model config
-    train_config(recipe)
+    tc = train_config(recipe)
     assert task.monitor == "rouge2" and task.monitor_mode == "max"
-    assert not set(recipe["data"]["test"]) & set(recipe["data"]["val"]) or path.name.startswith("tiny")
+    assert task.data.root is None and "shared" not in path.read_text()  # the data location is the user's
+    if not path.name.startswith("tiny"):
+        assert not set(recipe["data"]["test"]) & set(recipe["data"]["val"])
+        assert not set(recipe["data"]["test"]) & set(recipe["data"]["train"])  # never train on the test split
+        assert tc.clip_norm == 1.0 and tc.lr == 3e-5 and task.model_config.new_layer_lr_scale == 5.0
+        assert task.eval.generation().kwargs() == {"beam_size": 5, "max_len": 64, "min_len": 0,
+                                                   "no_repeat_ngram_size": 3, "length_penalty": 1.0}
+
+
+def test_typed_sections_reject_unknown_keys_and_need_a_root():
+    from tellkit.errors import TellkitError
+
+    recipe = load_yaml(VG / "how2_bart_text.yaml")
+    for section, key in (("data", "roots"), ("eval", "beams")):
+        bad = {**recipe, section: {**recipe[section], key: 1}}
+        with pytest.raises(TellkitError, match=key):
+            SummarizationTask(bad)
+    with pytest.raises(TellkitError, match="min_len"):
+        SummarizationTask({**recipe, "eval": {**recipe["eval"], "min_len": 99}})
+    with pytest.raises(TellkitError, match="data.root is not set"):
+        SummarizationTask(recipe).build_dataset("train")
 
 
 @pytest.mark.data

@@ -262,6 +262,16 @@ def test_visual_transformer_scales_input_before_positions():
     torch.testing.assert_close(out, x * math.sqrt(8) + pos)
 
 
+def test_fusion_block_residual_and_norm():
+    from tellkit.layers.fusion import FusionBlock
+
+    torch.manual_seed(0)
+    blk = FusionBlock("multi_head", 8, 6, d_common=4, heads=1, dropout=0.0, forget_gate=True).eval()
+    text, video = torch.randn(2, 5, 8), torch.randn(2, 3, 6)
+    torch.testing.assert_close(blk(text, video), blk.norm(text + blk.fusion(text, video)))
+    assert blk.norm.eps == 1e-5 and blk.fusion.attention.dropout == 0.0 and blk.fusion.attention.num_heads == 1
+
+
 def test_forget_gate_dropout():
     from tellkit.layers.fusion import ForgetGate
 

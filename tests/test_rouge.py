@@ -80,3 +80,18 @@ def test_reference_against_brute_force():
     got = rouge_reference([" ".join(p) for p in preds], [" ".join(r) for r in refs])
     for k in expect:
         assert got[k] == pytest.approx(100 * expect[k] / len(preds))
+
+
+def test_reference_package_examples():
+    """The examples that document the ROUGE package the VG-GPLMs evaluation imports
+    (``rouge_n_sentence_level`` / ``rouge_l_sentence_level``, alpha 0.5): same F1 here."""
+    from tellkit.metrics.rouge import lcs_length, rouge_l_f1, rouge_n_f1
+
+    summary, reference = "gunman kill the police".split(), "the police killed the gunman".split()
+    # recall, precision, F1 as the package documents them: ROUGE-2 (1/4, 1/3, 0.2857), ROUGE-1 (3/5, 3/4, 2/3)
+    assert rouge_n_f1(summary, reference, 2) == pytest.approx(0.28571428571428575)
+    assert rouge_n_f1(summary, reference, 1) == pytest.approx(0.6666666666666666)
+    assert lcs_length("the police killed the gunman".split(), "gunman police killed".split()) == 2
+    assert lcs_length(list("ABCDE"), list("CD")) == 2
+    # ROUGE-L: LCS "the police" = 2 of 4 predicted and 5 reference words
+    assert rouge_l_f1(summary, reference) == pytest.approx(2 * (2 / 4) * (2 / 5) / (2 / 4 + 2 / 5))

@@ -3,7 +3,9 @@
 ``rouge_reference``: what the VG-GPLMs evaluation reports (Yu et al., EMNLP 2021): each
 summary is split on whitespace only (no lower-casing, no stemming, punctuation tokens kept),
 ROUGE-N uses clipped n-gram counts, ROUGE-L the longest common subsequence, each as the F1
-(alpha = 0.5) of one (prediction, reference) pair, then averaged over pairs.
+(alpha = 0.5) of one (prediction, reference) pair, then averaged over pairs: the behaviour of the
+``rouge`` package's sentence-level functions that the evaluation script calls (0 when a side
+has no n-gram).
 
 ``rouge_score_package``: Google's ``rouge-score`` package (``pip install tellkit[metrics]``),
 which lower-cases, drops non-alphanumeric characters and (here, by default) does not stem;
@@ -15,7 +17,7 @@ Both return percentages (0-100) under keys ``rouge1``, ``rouge2``, ``rougeL``.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from tellkit.errors import TellkitError
 from tellkit.utils.optional import require

@@ -29,7 +29,8 @@ def test_goodnews_splits_captions_and_images():
     assert s.caption == "Mayor Jane Doe cuts the ribbon in Albany on Monday."
     assert s.title == "A New Bridge for Albany"
     # blank-line blocks as stored: joined back they are the article (the reference's context body)
-    assert s.paragraphs == ["Mayor Jane Doe opened the bridge on Monday.", "The bridge cost $2 million.\nIt spans the Hudson River."]
+    assert s.paragraphs == ["Mayor Jane Doe opened the bridge on Monday.",
+                            "The bridge cost $2 million.\nIt spans the Hudson River."]
     assert s.image_position is None and Path(s.image_path).is_file() and s.split == "train"
     test = load_goodnews(FIX / "goodnews", "test")
     assert [x.id for x in test] == ["5a1b2c_1"]  # same article, other split

@@ -252,8 +252,10 @@ def test_rouge_l_keeps_the_reference_whitespace():
     # [Jane, Doe, left]: LCS 3, P = 3/4, R = 1, F(beta 1.2) = 2.44 P R / (R + 1.44 P)
     pred, refs = {"a": "Jane Doe - left"}, {"a": ["Jane Doe left"]}
     p, r, b2 = 0.75, 1.0, 1.2 ** 2
-    assert score_captions(pred, refs, metrics=["rouge"])["rouge_l"] == pytest.approx(100 * (1 + b2) * p * r / (r + b2 * p))
-    assert score_captions(pred, refs, metrics=["rouge"], rouge_whitespace="collapsed")["rouge_l"] == pytest.approx(100.0)
+    expected = 100 * (1 + b2) * p * r / (r + b2 * p)
+    assert score_captions(pred, refs, metrics=["rouge"])["rouge_l"] == pytest.approx(expected)
+    collapsed = score_captions(pred, refs, metrics=["rouge"], rouge_whitespace="collapsed")
+    assert collapsed["rouge_l"] == pytest.approx(100.0)
     # BLEU / CIDEr split on any whitespace: the empty token does not exist for them
     assert score_captions(pred, refs, metrics=["bleu"])["bleu1"] == pytest.approx(100.0)
     with pytest.raises(TellkitError, match="rouge_whitespace"):

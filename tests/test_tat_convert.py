@@ -50,7 +50,8 @@ def reference_state(m) -> dict:
             else:
                 ref[f"{r}.q_proj_weight"], ref[f"{r}.k_proj_weight"], ref[f"{r}.v_proj_weight"] = q, k, v
             ref[f"{r}.in_proj_bias"] = torch.cat([sd[f"{t}.{p}_proj.bias"] for p in "qkv"])
-            ref[f"{r}.out_proj.weight"], ref[f"{r}.out_proj.bias"] = sd[f"{t}.out_proj.weight"], sd[f"{t}.out_proj.bias"]
+            for n in ("weight", "bias"):
+                ref[f"{r}.out_proj.{n}"] = sd[f"{t}.out_proj.{n}"]
             ref[f"{r}.bias_k"], ref[f"{r}.bias_v"] = sd[f"{t}.bias_k"], sd[f"{t}.bias_v"]
             for n in ("weight", "bias"):
                 ref[f"{dst}.context_attn_lns.{REF_CTX[name]}.{n}"] = sd[f"{src}.context_norm.{name}.{n}"]
@@ -85,7 +86,7 @@ def test_reference_checkpoint_converts_and_gives_the_same_forward(tmp_path, cont
     random_weights(m)
     torch.save(reference_state(m), tmp_path / "best.th")
     res = subprocess.run([sys.executable, "-m", "tellkit", "convert", str(tmp_path / "best.th"),
-                          "num_heads=4", "--out", str(tmp_path / "conv")], capture_output=True, text=True)
+                          "-o", "num_heads=4", "--out", str(tmp_path / "conv")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     conv = tellkit.load_model(tmp_path / "conv").eval()
     c = conv.config
@@ -117,7 +118,7 @@ def test_converter_refuses_foreign_or_damaged_layouts(tmp_path):
         conv.convert(ref, num_heads=4, colour="red")
     torch.save(ref, tmp_path / "best.th")
     res = subprocess.run([sys.executable, "-m", "tellkit", "convert", str(tmp_path / "best.th"),
-                          "num_heads=7", "--out", str(tmp_path / "x")], capture_output=True, text=True)
+                          "-o", "num_heads=7", "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr
 
 

@@ -101,7 +101,8 @@ def convert(state: dict[str, torch.Tensor], num_heads: int = 16, **options: Any)
     for t in range(n_bands - 1):
         out[f"softmax.tail_proj.{t}.weight"] = _take(state, used, f"{_SM}.tail.{t}.0.weight")
     # tied copies: must equal the embeddings they are tied to
-    for key, band in [(f"{_SM}.head.word_proj.weight", 0)] + [(f"{_SM}.tail.{t}.2.weight", t + 1) for t in range(n_bands - 1)]:
+    tied = [(f"{_SM}.head.word_proj.weight", 0)] + [(f"{_SM}.tail.{t}.2.weight", t + 1) for t in range(n_bands - 1)]
+    for key, band in tied:
         if key in state:
             used.add(key)
             if not torch.equal(state[key], out[f"embed.embeddings.{band}.weight"]):

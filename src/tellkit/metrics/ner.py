@@ -72,8 +72,9 @@ def _pr(precise: int, n_gen: int, recalled: int, n_ref: int, name: str) -> dict[
             f"{name}_recall": 100.0 * recalled / n_ref if n_ref else 0.0}
 
 
-def entity_scores(predictions: Mapping[str, str], references: Mapping[str, str], *, train_words: Iterable[str] | None = None,
-                  model: str = DEFAULT_MODEL, nlp=None, with_model: bool = False) -> dict[str, Any]:
+def entity_scores(predictions: Mapping[str, str], references: Mapping[str, str], *,
+                  train_words: Iterable[str] | None = None, model: str = DEFAULT_MODEL, nlp=None,
+                  with_model: bool = False) -> dict[str, Any]:
     """``references``: id -> the one reference caption. ``train_words``: the proper nouns of the
     training captions (:func:`train_proper_nouns`; rare proper nouns are left out when None)."""
     ids = [k for k in predictions if k in references]

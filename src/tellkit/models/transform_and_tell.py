@@ -310,8 +310,8 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         ctx = self.project_contexts(self.encode_contexts(batch))
         h, _ = self.decode(inp, ctx)
         mask = target != self.config.pad_id
-        lp = self.softmax.target_log_probs(h[mask], target[mask],
-                                           ignore_in_cluster=self.config.pad_id if self.config.reference_adaptive_loss else None)
+        ignore = self.config.pad_id if self.config.reference_adaptive_loss else None
+        lp = self.softmax.target_log_probs(h[mask], target[mask], ignore_in_cluster=ignore)
         if self.copy_head is not None:
             gate, w = self._copy_terms(h, ctx)
             hit = (ctx.article_ids[:, None, :] == target[:, :, None]).to(w.dtype)

@@ -250,3 +250,15 @@ def test_cli_refuses_bad_limits_in_one_line(argv, msg, capsys):
     assert main(["serve", "--api-only", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1, err
+
+
+def test_an_unexpected_failure_is_a_json_500(monkeypatch):
+    from tellkit.server import app as app_module
+
+    def broken(*a, **k):
+        raise RuntimeError("decoder exploded")
+
+    monkeypatch.setattr(app_module, "decode_image", broken)
+    with ServerThread(create_app(None, StubRecognizer(), serve_page=False)) as srv:
+        s, b = post(srv.url + "/api/recognize", files={"image": ("a.png", png(), "image/png")})
+    assert (s, b["error"]) == (500, "internal_error") and "RuntimeError" in b["detail"]

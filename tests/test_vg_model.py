@@ -272,6 +272,27 @@ def test_fusion_block_residual_and_norm():
     assert blk.norm.eps == 1e-5 and blk.fusion.attention.dropout == 0.0 and blk.fusion.attention.num_heads == 1
 
 
+@torch.no_grad()
+def test_multi_head_fusion_equals_a_restatement_of_the_reference():
+    """cross_attn_type 4 written out as the reference computes it (sequence-first attention,
+    no mask, gate over d_c, W4 over [Z_t ; O]) with tellkit's weights: the same numbers."""
+    from torch.nn import functional as F
+
+    from tellkit.layers.fusion import MultiHeadFusion
+
+    torch.manual_seed(0)
+    f = MultiHeadFusion(8, 6, 4, heads=2, dropout=0.0, forget_gate=True).eval()
+    text, video = torch.randn(2, 5, 8), torch.randn(2, 3, 6)
+    mha = torch.nn.MultiheadAttention(4, 2)  # the reference's module, sequence-first
+    mha.load_state_dict(f.attention.state_dict())
+    k = F.linear(video, f.k.weight, f.k.bias).transpose(0, 1)
+    v = F.linear(video, f.v.weight, f.v.bias).transpose(0, 1)
+    q = F.linear(text, f.q.weight, f.q.bias).transpose(0, 1)
+    o = mha(q, k, v)[0].transpose(0, 1)
+    o = torch.sigmoid(f.gate.proj(torch.cat([o, text], 2))) * o
+    torch.testing.assert_close(f(text, video, torch.ones(2, 3, dtype=torch.bool)), f.out(torch.cat([text, o], 2)))
+
+
 def test_forget_gate_dropout():
     from tellkit.layers.fusion import ForgetGate
 

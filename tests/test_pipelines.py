@@ -139,6 +139,9 @@ def test_caption_json_reports_the_empty_objects_context(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["objects"]["count"] == 0 and "no object detector" in out["objects"]["note"]
     assert "no object detector" in out["model"]["objects"]
+    assert main(["caption", "--image", str(DEMO / "coffee.jpg"), "--checkpoint", str(tmp_path / "ck")]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip() == out["caption"] and "no object detector" in printed.err
 
 
 # --- layering --------------------------------------------------------------------------------------

@@ -84,4 +84,8 @@ def run(args) -> int:
                           "model": captioner.info, **result}, ensure_ascii=False))
     else:
         print(result["caption"])
+        if "objects" in result and result["objects"]["count"] == 0:
+            import sys
+
+            print(f"note: {result['objects'].get('note', 'the objects context is empty')}", file=sys.stderr)
     return 0

@@ -41,6 +41,10 @@ def run(args) -> int:
     reads_articles = captioner.reads_articles
     if not reads_articles:
         print("(this model captions from the image alone: the sample articles are not used)")
+    if "objects" in captioner.contexts:
+        from tellkit.pipelines.captioning import NO_OBJECT_DETECTOR
+
+        print(f"(this model reads objects; {NO_OBJECT_DETECTOR})")
     for img in sorted(samples.glob("*.jpg")):
         txt = img.with_suffix(".txt")
         article = txt.read_text(encoding="utf-8") if txt.is_file() and reads_articles else ""

@@ -140,15 +140,24 @@ def _raw(url: str, payload: bytes, wait_s: float = 5.0, drip: list[bytes] | None
     -> (seconds until closed, what came back)."""
     host, port = url.split("//")[1].split(":")
     t0 = time.monotonic()
+    out = b""
     with socket.create_connection((host, int(port)), timeout=wait_s) as s:
         s.sendall(payload)
         for piece in drip or []:
             time.sleep(gap)
+            try:  # an answer (or the close) already there: stop sending, as writing on may reset it
+                got = s.recv(65536, socket.MSG_DONTWAIT)
+                out += got
+                if not got or out:
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
             try:
                 s.sendall(piece)
             except OSError:
                 break
-        out = b""
         while time.monotonic() - t0 < wait_s:
             try:
                 got = s.recv(65536)

@@ -208,3 +208,18 @@ def test_bucketing_token_cap_and_determinism():
     assert b == bucket_batches(lengths, 3, 120, shuffle=True, seed=1, epoch=0)
     assert b != bucket_batches(lengths, 3, 120, shuffle=True, seed=1, epoch=1)
     assert bucket_batches(lengths, 3, 120, shuffle=False) == [[7, 0, 4], [2, 9], [3, 8], [1, 5], [6]]
+
+
+def test_bson_long_double_arrays_and_id_filter():
+    import bson
+
+    from tellkit.data.mongo_archive import peek_id
+
+    rng = np.random.default_rng(0)
+    doc = {"_id": "h1", "object_features": rng.normal(size=(3, 2048)).tolist(),
+           "mixed": [1.5] * 200 + ["x"], "ints": list(range(300)), "many": rng.normal(size=12345).tolist()}
+    got = decode_document(bson.encode(doc))
+    assert got == doc  # the vectorised path gives the same floats; mixed / int arrays fall back
+    assert peek_id(bson.encode(doc)) == "h1" and peek_id(bson.encode({"x": 1})) is None
+    docs = list(iter_documents(ARCHIVE, {"nytimes.objects"}, ids={"bb22"}))
+    assert [d["_id"] for _, d in docs] == ["bb22"]

@@ -138,10 +138,9 @@ def read_archive_objects(path: str | os.PathLike, hashes: set[str] | None, db: s
     from tellkit.data.mongo_archive import iter_documents
 
     out: dict[str, np.ndarray] = {}
-    for _, doc in iter_documents(path, {f"{db}.objects"}, skip_fields=("confidences", "classes")):
+    for _, doc in iter_documents(path, {f"{db}.objects"}, skip_fields=("confidences", "classes"), ids=hashes):
         key = str(doc.get("_id"))
-        if hashes is None or key in hashes:
-            out[key] = vectors(doc.get("object_features"), OBJECT_DIM, MAX_OBJECTS, f"objects of image {key}")
+        out[key] = vectors(doc.get("object_features"), OBJECT_DIM, MAX_OBJECTS, f"objects of image {key}")
     return out
 
 

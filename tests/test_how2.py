@@ -54,7 +54,9 @@ def test_official_layout_fixture(tmp_path):
     (d / "video_action_features").mkdir()
     (d / "text" / "sum_cv" / "cv_tran_text.txt").write_text("a b c\nd e\n")
     (d / "text" / "sum_cv" / "cv_desc_text.txt").write_text("s1\ns2\n")
-    (d / "text" / "sum_cv" / "cv_action.txt").write_text("../how2data/video_action_features/X1.npy\n../how2data/video_action_features/X2.npy\n")
+    (d / "text" / "sum_cv" / "cv_action.txt").write_text(
+        "../how2data/video_action_features/X1.npy\n../how2data/video_action_features/X2.npy\n"
+    )
     for v in ("X1", "X2"):
         np.save(d / "video_action_features" / f"{v}.npy", np.zeros((5, 4), np.float32))
     exs = read_part(d, "sum_cv")
@@ -86,10 +88,11 @@ def test_pad_video_batch_max():
 def test_real_how2_both_layouts(shared_data):
     root = shared_data / "how2"
     demo = read_parts(root, ["mcls_demo:pretrain", "mcls_demo:train", "mcls_demo:val", "mcls_demo:test"])
-    official = read_parts(root, [f"mfn_sample:{p}" for p in ("sum_train", "sum_cv", "sum_devtest", "sum_asr_train", "sum_asr_cv", "sum_asr_devtest")])
+    parts = ("sum_train", "sum_cv", "sum_devtest", "sum_asr_train", "sum_asr_cv", "sum_asr_devtest")
+    official = read_parts(root, [f"mfn_sample:{p}" for p in parts])
     assert len(demo) == 18 and len(official) == 12
     everything = read_parts(root, [*(f"mcls_demo:{p}" for p in ("pretrain", "train", "val", "test")),
-                                   *(f"mfn_sample:{p}" for p in ("sum_train", "sum_cv", "sum_devtest", "sum_asr_train", "sum_asr_cv", "sum_asr_devtest"))])
+                                   *(f"mfn_sample:{p}" for p in parts)])
     assert len(everything) == 28  # two videos appear in both layouts
     for ex in everything:
         assert ex.features is not None and ex.features.is_file()

@@ -18,9 +18,10 @@ transcripts truncated to ``max_source_tokens`` (512) tokens.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -95,7 +96,8 @@ def read_part(root: str | os.PathLike, spec: str, *, with_video: bool = True) ->
         )
     if not (len(transcripts) == len(summaries) == len(actions)):
         raise TellkitError(
-            f"{spec}: line counts differ (transcripts {len(transcripts)}, summaries {len(summaries)}, videos {len(actions)})"
+            f"{spec}: line counts differ (transcripts {len(transcripts)}, summaries {len(summaries)}, "
+            f"videos {len(actions)})"
         )
     out = []
     for tr, su, ac in zip(transcripts, summaries, actions):
@@ -113,7 +115,9 @@ def _existing(p: Path) -> Path:
     return p
 
 
-def read_parts(root: str | os.PathLike, specs: Sequence[str] | str, *, dedupe: bool = True, with_video: bool = True) -> list[How2Example]:
+def read_parts(
+    root: str | os.PathLike, specs: Sequence[str] | str, *, dedupe: bool = True, with_video: bool = True
+) -> list[How2Example]:
     """Concatenate several parts; with ``dedupe`` a video id seen earlier is skipped."""
     if isinstance(specs, str):
         specs = [specs]
@@ -148,7 +152,9 @@ def load_features(path: str | os.PathLike, max_frames: int = 256, dim: int | Non
     return np.ascontiguousarray(arr[:max_frames], dtype=np.float32)
 
 
-def pad_video(feats: Sequence[np.ndarray | None], dim: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_video(
+    feats: Sequence[np.ndarray | None], dim: int, length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack [T_i, D] arrays into [B, M, D] (zero padding) and a bool mask [B, M] (True = real).
     ``length`` fixes M (longer inputs are truncated); default the longest in the batch."""
     m = length if length is not None else max([len(f) for f in feats if f is not None] or [1])
@@ -206,7 +212,9 @@ class How2Dataset(Dataset):
         }
 
 
-def collate_how2(samples: Sequence[dict[str, Any]], pad_id: int, *, video_dim: int = 2048, frames: int | None = 256) -> dict[str, Any]:
+def collate_how2(
+    samples: Sequence[dict[str, Any]], pad_id: int, *, video_dim: int = 2048, frames: int | None = 256
+) -> dict[str, Any]:
     """Pad a list of dataset items into a batch: ``input_ids``/``attention_mask`` [B, L],
     ``labels`` [B, T] (-100 at padding), ``video`` [B, M, D] + ``video_mask`` [B, M] (only when
     the samples carry video), ``ids`` and ``summaries`` (lists)."""

@@ -18,8 +18,9 @@ trained from scratch, so :meth:`load_backbone_weights` has nothing to load), ``f
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -265,3 +265,12 @@ def test_an_unexpected_failure_is_a_json_500(monkeypatch):
     with ServerThread(create_app(None, StubRecognizer(), serve_page=False)) as srv:
         s, b = post(srv.url + "/api/recognize", files={"image": ("a.png", png(), "image/png")})
     assert (s, b["error"]) == (500, "internal_error") and "RuntimeError" in b["detail"]
+
+
+def test_expect_100_continue_over_the_limit_is_refused_before_the_body(server):
+    head = (b"POST /api/caption HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=xx\r\n"
+            b"Content-Length: 50000000\r\nExpect: 100-continue\r\n\r\n")
+    took, raw = _raw(server.url, head, wait_s=5.0)
+    assert not raw.startswith(b"HTTP/1.1 100")
+    status, body = _json_response(raw)
+    assert (status, body["error"]) == (413, "request_too_large") and took < 2.0

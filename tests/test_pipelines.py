@@ -74,6 +74,30 @@ def test_no_data_location_is_a_clear_error():
         CaptioningTask(r).build_dataset("train")
 
 
+def test_the_context_policy_reaches_the_article_builder_and_the_cache_identity():
+    from tellkit.encoders.bundle import CaptionInput
+    from tellkit.encoders.features import FeatureConfig
+
+    class _Words:
+        max_tokens, num_special = 40, 2
+
+        def count_tokens(self, text):
+            return len(text.split())
+
+    class WordBundle(EncoderBundle):
+        article_encoder = property(lambda self: _Words())
+
+    inp = CaptionInput("x", title="Title", paragraphs=[f"paragraph {i} " + "word " * 8 for i in range(10)])
+    texts = {p: WordBundle(None, ("article",), context_mode="first_tokens", context_policy=p).context_text(inp)
+             for p in ("reference", "cut")}
+    assert texts["reference"].startswith("Title\n\nparagraph 0") and texts["cut"].startswith("Title\nparagraph 0")
+    assert len(texts["cut"].split()) <= 38 < len(texts["reference"].split())  # cut to the budget / cut by the encoder
+    with pytest.raises(TellkitError, match="context_policy"):
+        WordBundle(None, ("article",), context_policy="all")
+    assert FeatureConfig(article=True, context_policy="cut").identity()["context_policy"] == "cut"
+    assert "context_policy" not in FeatureConfig(article=False).identity()  # image-only caches stay valid
+
+
 def test_generation_config_is_read_once_and_overridden_by_flags():
     gen = GenerationConfig.from_section({"beam_size": 3, "max_len": 9, "metrics": ["bleu"], "ner": False})
     assert gen == GenerationConfig(max_len=9, beam_size=3)
@@ -90,7 +114,11 @@ def test_pipeline_uses_the_checkpoint_generation_settings(tmp_path, monkeypatch)
     model.save_pretrained(tmp_path / "ck", extra={"task": "captioning", "eval": {"beam_size": 3, "max_len": 5},
                                                   "data": {"context": "none"}})
     made = []
-    monkeypatch.setattr(P, "_bundle", lambda enc, cfg, n, mode, dev: made.append(mode) or FakeBundle(enc, cfg.contexts))
+    def fake(enc, cfg, data, dev):
+        made.append(data.context)
+        return FakeBundle(enc, cfg.contexts)
+
+    monkeypatch.setattr(P, "_bundle", fake)
     cap = P.CaptioningPipeline.load(tmp_path / "ck")
     assert cap.generation == GenerationConfig(max_len=5, beam_size=3) and made == ["none"]
     assert P.CaptioningPipeline.load(tmp_path / "ck", beam_size=1).generation.beam_size == 1

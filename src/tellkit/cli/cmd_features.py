@@ -35,6 +35,8 @@ def add_arguments(p) -> None:
                         "vectors: static (MiniLM input embeddings), static:NAME, glove:PATH")
     p.add_argument("--max-article-tokens", type=int, default=512,
                    help="the article encoder's token budget, special tokens included (default: 512)")
+    p.add_argument("--context-policy", default="reference", choices=("reference", "cut"),
+                   help="which article text is read: the reference's rules (default) or tellkit's earlier builder")
     p.add_argument("--objects", action="store_true",
                    help="also store the object vectors the data set ships (NYTimes800k); no detector runs")
     p.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"), help="storage dtype")
@@ -86,8 +88,8 @@ def run(args) -> int:
     encoders = EncodersConfig.from_recipe({k: v for k, v in given.items() if v is not None})
     cfg = FeatureConfig(
         encoders=encoders, faces=not args.no_faces, article=args.article, objects=args.objects,
-        max_article_tokens=args.max_article_tokens, dtype=args.dtype, shard_size=args.shard_size,
-        batch_size=args.batch_size, max_pixels=args.max_pixels, device=args.device,
+        max_article_tokens=args.max_article_tokens, context_policy=args.context_policy, dtype=args.dtype,
+        shard_size=args.shard_size, batch_size=args.batch_size, max_pixels=args.max_pixels, device=args.device,
     )
     summary = extract_features(items, args.out, cfg, overwrite=args.overwrite, progress=not args.no_progress,
                                log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -80,6 +80,7 @@ def _task(recipe):
     model = recipe.get("model") or {}
     bundle = EncoderBundle(encoders_config(recipe), model_contexts(model), object_dim=model.get("object_dim", 2048),
                            max_article_tokens=data.max_article_tokens, context_mode=data.context,
+                           context_policy=data.context_policy,
                            shared_encoders=_MEMO, memo=_MEMO)
     return cls(recipe, bundle=bundle)
 

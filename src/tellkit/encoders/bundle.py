@@ -34,6 +34,7 @@ MAX_FACES = 4  # Transform and Tell keeps the 4 largest faces
 FACE_DIM = 512
 OBJECT_DIM = 2048
 CONTEXT_MODES = ("location_aware", "first_tokens", "other_captions", "none")
+CONTEXT_POLICIES = ("reference", "cut")  # see tellkit.encoders.context
 
 
 @dataclass
@@ -98,7 +99,8 @@ class EncoderBundle:
 
     def __init__(self, config: EncodersConfig | Mapping[str, Any] | None = None,
                  contexts: Sequence[str] = ("image", "article", "faces"), *, max_article_tokens: int = 512,
-                 context_mode: str = "location_aware", device: str | torch.device = "cpu",
+                 context_mode: str = "location_aware", context_policy: str = "reference",
+                 device: str | torch.device = "cpu",
                  object_dim: int = OBJECT_DIM, shared_encoders: dict | None = None, memo: dict | None = None):
         self.config = EncodersConfig.from_recipe(config)
         self.object_dim = int(object_dim)  # the size of the precomputed object vectors the model reads
@@ -112,6 +114,10 @@ class EncoderBundle:
         if context_mode not in CONTEXT_MODES:
             raise TellkitError(f"data.context must be one of {', '.join(CONTEXT_MODES)}, got {context_mode!r}")
         self.context_mode = context_mode
+        if context_policy not in CONTEXT_POLICIES:
+            raise TellkitError(f"data.context_policy must be one of {', '.join(CONTEXT_POLICIES)}, "
+                               f"got {context_policy!r}")
+        self.context_policy = context_policy  # tellkit.encoders.context: the reference's rules, or "cut"
         self.device = torch.device(device)
 
     # -- the encoders (built on first use) ----------------------------------------------------
@@ -182,7 +188,8 @@ class EncoderBundle:
         enc = self.article_encoder
         budget = min(self.max_article_tokens, enc.max_tokens) - enc.num_special
         where = inp.image_position if self.context_mode == "location_aware" else None
-        return build_context(inp.title, inp.paragraphs, where, count_tokens=enc.count_tokens, max_tokens=budget).text
+        return build_context(inp.title, inp.paragraphs, where, count_tokens=enc.count_tokens, max_tokens=budget,
+                             policy=self.context_policy).text
 
     # -- the one encoding routine ---------------------------------------------------------------
     @torch.no_grad()

@@ -58,6 +58,7 @@ class FeatureConfig:
     article: bool = False
     objects: bool = False  # store the inputs' precomputed object vectors (no detector runs)
     max_article_tokens: int = 512  # the article encoder's budget, special tokens included
+    context_policy: str = "reference"  # how the article context is chosen (tellkit.encoders.context)
     dtype: str = "float16"  # storage dtype of the float features
     shard_size: int = 256
     batch_size: int = 16
@@ -81,6 +82,8 @@ class FeatureConfig:
                  "max_faces": (e.max_faces, EncodersConfig.max_faces),
                  "face_standardization": (e.face_standardization, None)}
         d.update({k: v for k, (v, default) in later.items() if v != default})
+        if self.article:  # article states made with the earlier context builder are not reused
+            d["context_policy"] = self.context_policy
         return d
 
 
@@ -134,7 +137,7 @@ def _read_meta(path: Path) -> dict | None:
 def _bundle(cfg: FeatureConfig) -> EncoderBundle:
     # items carry the article context already shaped by the caller (paragraphs, image position)
     return EncoderBundle(cfg.encoders, cfg.contexts, max_article_tokens=cfg.max_article_tokens,
-                         context_mode="location_aware", device=cfg.device)
+                         context_mode="location_aware", context_policy=cfg.context_policy, device=cfg.device)
 
 
 def _encode_shard(items: Sequence[CaptionInput], bundle: EncoderBundle, cfg: FeatureConfig,

@@ -20,6 +20,7 @@ from which checkpoint, and whether it was trained.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
@@ -66,10 +67,10 @@ def crop_box(width: int, height: int, resize: int, crop: int) -> list[float]:
     return [round(left * sx, 1), round(top * sy, 1), round((left + crop) * sx, 1), round((top + crop) * sy, 1)]
 
 
-def _bundle(encoders: EncodersConfig, model_config, max_article_tokens: int, context_mode: str,
-            device) -> EncoderBundle:
-    return EncoderBundle(encoders, tuple(model_config.contexts), max_article_tokens=max_article_tokens,
-                         context_mode=context_mode, device=device,
+def _bundle(encoders: EncodersConfig, model_config, data, device) -> EncoderBundle:
+    """The bundle of a checkpoint: its encoders, and its ``data`` section's article context."""
+    return EncoderBundle(encoders, tuple(model_config.contexts), max_article_tokens=data.max_article_tokens,
+                         context_mode=data.context, context_policy=data.context_policy, device=device,
                          object_dim=getattr(model_config, "object_dim", OBJECT_DIM), shared_encoders=_SHARED)
 
 
@@ -120,10 +121,10 @@ class CaptioningPipeline:
                                f"({', '.join(CAPTION_FAMILIES)})")
         data, ev, encoders = data_config(meta), eval_config(meta), encoders_config(meta)
         model = load_model(path, map_location=device).float()
-        contexts = tuple(model.config.contexts)
-        mode = data.context if "article" in contexts else "none"
+        if "article" not in model.config.contexts:
+            data = dataclasses.replace(data, context="none")
         gen = ev.generation.updated(max_len=max_len, beam_size=beam_size, length_penalty=length_penalty)
-        return cls(model, _bundle(encoders, model.config, data.max_article_tokens, mode, device),
+        return cls(model, _bundle(encoders, model.config, data, device),
                    info=checkpoint_info(meta["family"], path, meta), generation=gen)
 
     @classmethod
@@ -138,8 +139,10 @@ class CaptioningPipeline:
         torch.manual_seed(seed)
         model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512,
                              contexts=list(contexts), max_len=12).eval().to(device)
+        from tellkit.tasks.captioning import CaptionDataConfig
+
         encoders = EncodersConfig(article=DEFAULT_ARTICLE_ENCODER)
-        return cls(model, _bundle(encoders, model.config, 512, "location_aware", device),
+        return cls(model, _bundle(encoders, model.config, CaptionDataConfig(), device),
                    info={"family": "transform_and_tell", "checkpoint": None, "trained": False,
                          "note": "tiny random model (tellkit serve --untrained): captions are noise"})
 

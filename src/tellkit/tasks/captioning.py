@@ -7,7 +7,7 @@ Recipe sections read here, each a dataclass that refuses unknown keys (see ``con
     encoders: EncodersConfig       (tellkit.encoders.bundle: image, article, faces, weights, ...)
     data:     CaptionDataConfig    {format: goodnews | nytimes800k | coco | flickr8k, root: PATH,
                context: location_aware | first_tokens | other_captions | none,
-               max_article_tokens: 512, features: DIR (cache; optional), limit, options, files}
+               context_policy: reference | cut, max_article_tokens: 512, features: DIR (cache; optional), limit, options, files}
     eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (tellkit.generation),
                metrics: [bleu, meteor, rouge, cider], ner: true, ner_model, monitor: loss, batch_size}
 
@@ -42,7 +42,14 @@ from tellkit.config import from_dict
 from tellkit.data import CAPTION_FORMATS
 from tellkit.data.batch import CaptionBatch, CaptionItem, collate_captions
 from tellkit.data.sample import CaptionSample
-from tellkit.encoders.bundle import CONTEXT_MODES, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
+from tellkit.encoders.bundle import (
+    CONTEXT_MODES,
+    CONTEXT_POLICIES,
+    OBJECT_DIM,
+    CaptionInput,
+    EncoderBundle,
+    EncodersConfig,
+)
 from tellkit.errors import TellkitError
 from tellkit.generation import GenerationConfig
 from tellkit.tasks import register_task
@@ -61,6 +68,7 @@ class CaptionDataConfig:
     format: str | None = None  # goodnews | nytimes800k | coco | flickr8k
     root: str | None = None  # folder / archive / mongodb:// URI / JSON file; or --data
     context: str = "location_aware"  # which article text the model reads (tellkit.encoders.context)
+    context_policy: str = "reference"  # reference (the paper's code) | cut (tellkit's earlier builder)
     max_article_tokens: int = 512  # the article encoder's budget, special tokens included
     features: str | None = None  # feature-cache folder (optional)
     limit: dict[str, int] | None = None  # e.g. {val: 250, test: 500}: the first N samples of a split
@@ -72,6 +80,9 @@ class CaptionDataConfig:
             raise TellkitError(f"data.format must be one of {', '.join(CAPTION_FORMATS)}, got {self.format!r}")
         if self.context not in CONTEXT_MODES:
             raise TellkitError(f"data.context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
+        if self.context_policy not in CONTEXT_POLICIES:
+            raise TellkitError(f"data.context_policy must be one of {', '.join(CONTEXT_POLICIES)}, "
+                               f"got {self.context_policy!r}")
         if int(self.max_article_tokens) < 3:
             raise TellkitError(f"data.max_article_tokens must be at least 3, got {self.max_article_tokens}")
         for name in ("limit", "files", "options"):
@@ -174,7 +185,8 @@ def feature_config(task: CaptioningTask):
     from tellkit.encoders.features import FeatureConfig
 
     return FeatureConfig(encoders=task.encoders, faces="faces" in task.contexts, article="article" in task.contexts,
-                         objects="objects" in task.contexts, max_article_tokens=task.data.max_article_tokens)
+                         objects="objects" in task.contexts, max_article_tokens=task.data.max_article_tokens,
+                         context_policy=task.data.context_policy)
 
 
 def cached_features(task: CaptioningTask, samples: list[CaptionSample], split: str, progress: bool = True):
@@ -293,7 +305,7 @@ class CaptioningTask(Task):
     def bundle(self) -> EncoderBundle:
         if self._bundle is None:
             self._bundle = EncoderBundle(self.encoders, self.contexts, max_article_tokens=self.data.max_article_tokens,
-                                         context_mode=self.data.context,
+                                         context_mode=self.data.context, context_policy=self.data.context_policy,
                                          object_dim=int(self.model_cfg.get("object_dim", OBJECT_DIM)))
         return self._bundle
 

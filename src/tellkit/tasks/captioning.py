@@ -7,7 +7,8 @@ Recipe sections read here, each a dataclass that refuses unknown keys (see ``con
     encoders: EncodersConfig       (tellkit.encoders.bundle: image, article, faces, weights, ...)
     data:     CaptionDataConfig    {format: goodnews | nytimes800k | coco | flickr8k, root: PATH,
                context: location_aware | first_tokens | other_captions | none,
-               context_policy: reference | cut, max_article_tokens: 512, features: DIR (cache; optional), limit, options, files}
+               context_policy: reference | cut, max_article_tokens: 512,
+               features: DIR (cache; optional), limit, options, files}
     eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (tellkit.generation),
                metrics: [bleu, meteor, rouge, cider], ner: true, ner_model, monitor: loss, batch_size}
 

@@ -195,10 +195,10 @@ class EncoderBundle:
     @torch.no_grad()
     def encode(self, inputs: Sequence[CaptionInput], *, details: bool = False) -> list[dict[str, Any]]:
         """Inputs -> one :class:`~tellkit.data.batch.CaptionItem` each (CPU tensors, float32),
-        holding the contexts of ``self.contexts`` (with faces, also ``face_boxes`` / ``face_probs``:
-        None for precomputed embeddings). With ``details``, also what a caption
-        result shows: ``pil`` (the decoded image), ``objects_source`` ("precomputed" | "none"), ``article_text``,
-        ``article_tokens`` and ``article_offsets``. An unreadable image raises
+        holding the contexts of ``self.contexts`` (with faces, also ``face_boxes`` and
+        ``face_probs``: None for precomputed embeddings). With ``details``, also what a caption
+        result shows: ``pil`` (the decoded image), ``objects_source`` ("precomputed" | "none"),
+        ``article_text``, ``article_tokens`` and ``article_offsets``. An unreadable image raises
         :class:`~tellkit.encoders.preprocess.ImageLoadError` (a TellkitError)."""
         inputs = list(inputs)
         items: list[dict[str, Any]] = [{} for _ in inputs]
@@ -211,7 +211,7 @@ class EncoderBundle:
                 item["image"] = f
         if "faces" in self.contexts:
             for item, inp, pil in zip(items, inputs, pils):
-                item.update(self._faces(inp, pil, details))
+                item.update(self._faces(inp, pil))
         if "objects" in self.contexts:
             for item, inp in zip(items, inputs):
                 given = inp.objects if inp.objects is not None else []
@@ -277,7 +277,7 @@ class EncoderBundle:
 
         return load_image(inp.image_path)
 
-    def _faces(self, inp: CaptionInput, pil, details: bool) -> dict[str, Any]:
+    def _faces(self, inp: CaptionInput, pil) -> dict[str, Any]:
         """faces float[F, 512] with F <= max_faces, and the detector's boxes float[F, 4] and
         probabilities float[F] (None for precomputed embeddings: their boxes are not known)."""
         limit = self.config.max_faces

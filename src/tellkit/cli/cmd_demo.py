@@ -63,8 +63,7 @@ def demo_math(args) -> None:
     """The packaged handwritten formula through the default BTTR model (`tellkit recognize`)."""
     import json
 
-    from tellkit.pipelines.recognition import SAMPLE_LATEX, SAMPLE_PATH
-    from tellkit.tasks.recognition import DEFAULT_CHECKPOINT, Recognizer
+    from tellkit.pipelines.recognition import DEFAULT_CHECKPOINT, SAMPLE_LATEX, SAMPLE_PATH, Recognizer
 
     rec = Recognizer.load(None, device=args.device)
     print(f"tellkit demo: handwritten math with {DEFAULT_CHECKPOINT}")

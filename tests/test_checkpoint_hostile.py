@@ -65,9 +65,9 @@ def test_a_huge_count_of_layers_is_refused_before_building(tmp_path):
                      contexts=("image",), image_dim=4)
     d = m.save_pretrained(tmp_path / "lstm")
     meta = json.loads((d / "config.json").read_text())
-    meta["config"]["num_layers"] = 5000
+    meta["config"]["num_layers"] = 1025
     (d / "config.json").write_text(json.dumps(meta))
-    refused(d, "num_layers = 5000", "1024")
+    refused(d, "num_layers = 1025", "1024")
     with pytest.raises(TellkitError, match="encoder_layers"):
         check_config_values({"backbone_config": {"encoder_layers": 10**6}}, "x")
     check_config_values({"fusion_layers": [-1, -2], "num_layers": 4}, "x")  # indices may be negative

@@ -394,7 +394,7 @@ class Trainer:
 
     def _open_logs(self) -> None:
         if self.dist.is_main:
-            keep = self.state.step if self.resume else None
+            keep = self.state.step if self.resume else 0  # a fresh start drops rows of a run that saved nothing
             self.train_csv = _CsvLog(self.run_dir / "train_log.csv", TRAIN_COLUMNS, keep)
             self.eval_csv = _CsvLog(self.run_dir / "eval_log.csv", EVAL_COLUMNS, keep)
             self.tb = _tensorboard(self.run_dir, self.log)

@@ -30,12 +30,11 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from tellkit.data.sample import CaptionSample
+from tellkit.encoders.bundle import FACE_DIM, MAX_FACES, OBJECT_DIM
 from tellkit.errors import TellkitError
 
 SPLITS = {"train": "train", "valid": "val", "val": "val", "test": "test"}
-MAX_FACES = 4  # the reference keeps the four largest faces
 MAX_OBJECTS = 64  # the reference's YOLOv3 pass stores at most 64 boxes
-FACE_DIM, OBJECT_DIM = 512, 2048
 
 
 def vectors(value: Any, dim: int, limit: int | None, what: str) -> np.ndarray:

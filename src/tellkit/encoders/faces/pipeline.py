@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from tellkit.encoders.bundle import MAX_FACES
 from tellkit.encoders.faces.facenet import load_facenet, standardize
 from tellkit.encoders.faces.mtcnn import MTCNN
 from tellkit.encoders.preprocess import to_rgb
@@ -44,7 +45,7 @@ class FaceEncoder(nn.Module):
 
     dim = 512
 
-    def __init__(self, facenet_weights=None, max_faces: int = 4, min_face_size: int = 20,
+    def __init__(self, facenet_weights=None, max_faces: int = MAX_FACES, min_face_size: int = 20,
                  thresholds=(0.6, 0.7, 0.7), margin: float = 0.0, standardization: str = "prewhiten"):
         super().__init__()
         self.detector = MTCNN(min_face_size=min_face_size, thresholds=thresholds)

@@ -223,3 +223,65 @@ def test_bson_long_double_arrays_and_id_filter():
     assert peek_id(bson.encode(doc)) == "h1" and peek_id(bson.encode({"x": 1})) is None
     docs = list(iter_documents(ARCHIVE, {"nytimes.objects"}, ids={"bb22"}))
     assert [d["_id"] for _, d in docs] == ["bb22"]
+
+
+def test_face_and_object_sizes_have_one_home():
+    """NYTimes800k's reader, the face encoder and the bundle share the bundle's constants, and
+    no encoder module imports the data loaders (data sits above encoders: no cycle)."""
+    import ast
+    import inspect
+
+    from tellkit.data import nytimes
+    from tellkit.encoders import bundle
+    from tellkit.encoders.faces.pipeline import FaceEncoder
+
+    assert (nytimes.MAX_FACES, nytimes.FACE_DIM, nytimes.OBJECT_DIM) == (bundle.MAX_FACES, bundle.FACE_DIM,
+                                                                         bundle.OBJECT_DIM)
+    source = inspect.getsource(nytimes)
+    assert "MAX_FACES = " not in source and "OBJECT_DIM = " not in source and "FACE_DIM, OBJECT_DIM =" not in source
+    assert inspect.signature(FaceEncoder).parameters["max_faces"].default == bundle.MAX_FACES
+    root = Path(bundle.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad = [n for n in names if n.split(".")[:2] in (["tellkit", "data"], ["tellkit", "tasks"])]
+            assert not bad, f"{path.relative_to(root)} imports {bad}"
+
+
+TAT = Path(__file__).resolve().parents[1] / "src" / "tellkit" / "configs" / "tat"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "src" / "tellkit" / "assets" / "default_caption"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in TAT.glob("*.yaml")))
+def test_tat_recipes_name_no_data_location(name):
+    """Data roots come from the recipe user (data.root=..., --data), never from a folder of a
+    checkout; without one the task says so in one line."""
+    from tellkit.config import load_yaml
+    from tellkit.tasks.captioning import CaptioningTask
+
+    r = load_yaml(f"tat/{name}")
+    assert "root" not in (r.get("data") or {}), r["data"]
+    assert "shared" not in (TAT / f"{name}.yaml").read_text(encoding="utf-8")
+    with pytest.raises(TellkitError, match="no 'root'.*data.root=PATH"):
+        CaptioningTask(r).load_samples("train")
+
+
+def test_default_model_metadata_names_no_machine_path():
+    import json
+
+    meta = json.loads((DEFAULT_MODEL / "config.json").read_text(encoding="utf-8"))
+    texts = [json.dumps(meta), (DEFAULT_MODEL / "README.md").read_text(encoding="utf-8")]
+    for text in texts:
+        assert "shared/data" not in text and "/work" not in text and "/home" not in text
+    assert "root" not in meta["data"] and "features" not in meta["data"]
+
+
+@pytest.mark.data
+def test_flickr8k_recipe_reads_the_data_given_to_it(shared_data):
+    from tellkit.config import deep_merge, load_yaml
+    from tellkit.tasks.captioning import CaptioningTask
+
+    r = deep_merge(load_yaml("tat/flickr8k_small"), {"data": {"root": str(shared_data / "flickr8k")}})
+    val = CaptioningTask(r).load_samples("val")
+    assert len({s.image_id for s in val}) == 100 and all(Path(s.image_path).is_file() for s in val[:5])

@@ -58,7 +58,7 @@ def resolve_default(checkpoint: str | None):
         return checkpoint
     if not (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
         raise TellkitError("no default captioning model is installed; pass --checkpoint DIR "
-                           "(train one: tellkit train configs/tat/flickr8k_small.yaml)")
+                           "(train one: tellkit train configs/tat/flickr8k_small.yaml data.root=DIR)")
     return str(DEFAULT_CHECKPOINT)
 
 

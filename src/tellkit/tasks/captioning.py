@@ -327,7 +327,8 @@ class CaptioningTask(Task):
                 raise TellkitError(f"data.files has no '{split}' file")
             return load_captions(d.format, d.files[split], split, **options)
         if not d.root:
-            raise TellkitError("the recipe's data section has no 'root' (the data location; `--data PATH`)")
+            raise TellkitError("the recipe's data section has no 'root' (the data location: data.root=PATH "
+                               "after the recipe of `tellkit train`, --data PATH for `tellkit evaluate` / `table`)")
         return load_captions(d.format, d.root, split, **options)
 
     def build_dataset(self, split: str) -> Dataset:

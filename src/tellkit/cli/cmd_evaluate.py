@@ -77,7 +77,8 @@ def run(args) -> int:
                                   num_workers=int(recipe["train"].get("num_workers") or 0), progress=not args.no_progress)
         if info.is_main:
             out = Path(args.out) if args.out else (ckpt.parent.parent / "eval" if ckpt.parent.name == "checkpoints" else ckpt / "eval")
-            summary, per_example = write_eval_outputs(out, args.split, metrics, preds, {"checkpoint": str(ckpt), "task": recipe["task"]})
+            info_out = {"checkpoint": str(ckpt), "task": recipe["task"], **getattr(task, "eval_info", {})}
+            summary, per_example = write_eval_outputs(out, args.split, metrics, preds, info_out)
             print(json.dumps({"split": args.split, "n": len(preds), "metrics": metrics, "summary": str(summary), "predictions": str(per_example)}, indent=2))
     finally:
         distributed.teardown(info)

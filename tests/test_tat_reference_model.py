@@ -62,9 +62,25 @@ def test_bad_position_start():
 
 @pytest.mark.parametrize("name", ["tat/nytimes_faces", "tat/nytimes_full", "tat/goodnews"])
 def test_paper_recipes_decode_greedily_for_100_steps(name):
+    """The reference runs 100 greedy steps, any of which may be a word; tellkit's max_len counts
+    the EOS it forces at the last step, so 101 gives the same 100 free steps."""
     from tellkit.config import load_yaml
+    from tellkit.tasks.captioning import CaptioningTask
 
     r = load_yaml(name)
-    assert r["eval"]["beam_size"] == 1 and r["eval"]["max_len"] == 100
+    assert r["eval"]["beam_size"] == 1 and r["eval"]["max_len"] == 101
     assert r["data"]["max_article_tokens"] == 512  # 510 BPE tokens + <s> </s>
+    assert r["data"]["max_caption_tokens"] == 510
     assert r["data"]["context"] == ("first_tokens" if name == "tat/goodnews" else "location_aware")
+    gen = CaptioningTask(r).eval.generation
+    if name != "tat/nytimes_faces":  # the others inherit its eval section: decode once
+        return
+    torch.manual_seed(0)
+    m = tellkit.create_model("tat/tiny", **TINY, **NO_DROPOUT).eval()
+    plain = m.next_log_probs
+    m.next_log_probs = lambda h, ctx: plain(h, ctx).index_fill(-1, torch.tensor([m.config.eos_id]), -1e4)
+    cfg = m.config
+    batch = {"image": torch.randn(1, 3, cfg.image_dim), "faces": torch.randn(1, 1, cfg.face_dim),
+             "article": torch.randn(1, cfg.article_layers, 4, cfg.article_dim)}
+    out = m.generate(batch, **gen.kwargs())
+    assert [len(t) for t in out["tokens"]] == [100]  # a caption that never ends: 100 words, as the reference

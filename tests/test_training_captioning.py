@@ -167,6 +167,22 @@ def test_train_then_evaluate_through_the_cli(tmp_path, fake_encoders):
     row = json.loads((out / "predictions_test.jsonl").read_text())
     assert row["id"] == "5a1b2c_1" and row["references"] == ["The new bridge at dusk."] and "cider" in row["scores"]
     assert isinstance(row["prediction"], str)
+    assert "ner_model" not in summary  # no entity metrics asked for: no pipeline to name
+
+
+def test_evaluation_names_the_spacy_pipeline_beside_the_metrics(tmp_path, fake_encoders):
+    pytest.importorskip("spacy")
+    from tellkit.cli import main
+    from tellkit.metrics.ner import resolve_model
+
+    train(recipe(tmp_path, max_tokens=None, max_steps=1), tmp_path / "run", progress=False)
+    argv = ["evaluate", str(tmp_path / "run"), "--data", str(FIX / "goodnews"), "--split", "test", "--no-progress",
+            "--out", str(tmp_path / "ev"), "eval.ner=true"]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "ev" / "metrics_test.json").read_text())
+    assert summary["ner_model"] == resolve_model("auto")
+    assert "entities_precision" in summary["metrics"] and "rare_proper_nouns_recall" in summary["metrics"]
+    assert all(isinstance(v, float) for v in summary["metrics"].values())  # the name is not a metric
 
 
 TAT_RECIPES = Path(__file__).resolve().parents[1] / "configs" / "tat"
@@ -187,12 +203,52 @@ def test_tat_recipes_are_valid(name):
         create_model(r)
 
 
-def test_train_caption_words_are_cached_beside_the_features(tmp_path):
+def test_train_proper_nouns_are_the_rare_noun_vocabulary_cached_beside_the_features(tmp_path):
+    """Rare proper nouns are judged against the PROPN tokens of the training captions (not every
+    word of them); the set is cached under a name that says which spaCy pipeline tagged it."""
+    pytest.importorskip("spacy")
+    from tellkit.metrics.ner import resolve_model, train_proper_nouns
+
     task = CaptioningTask(recipe(tmp_path))
-    assert task.train_words == {"Mayor", "Jane", "Doe", "cuts", "the", "ribbon", "in", "Albany", "on", "Monday"}
+    caption = "Mayor Jane Doe cuts the ribbon in Albany on Monday."  # the fixture's one training caption
+    assert task.train_words == train_proper_nouns([caption], model=task.ner_model)
+    assert {"Jane", "Doe", "Albany"} <= task.train_words and not {"cuts", "the", "ribbon", "in"} & task.train_words
+    cache = tmp_path / "feats" / f"train_caption_propn-{resolve_model('auto')}.txt"
+    assert cache.is_file() and not (tmp_path / "feats" / "train_caption_words.txt").exists()
     r = recipe(tmp_path)
     r["data"]["root"] = str(tmp_path / "gone")  # the data is not read again
     assert CaptioningTask(r).train_words == task.train_words
+
+
+def test_training_captions_keep_up_to_max_caption_tokens(tmp_path):
+    """Captions are cut at data.max_caption_tokens (510 by default, as the reference's caption
+    indexer), not at the model's generation length; the decoder (positions from 2) takes them."""
+    from tellkit.data.sample import CaptionSample
+    from tellkit.tasks.captioning import CaptionDataset, CaptionDataConfig
+
+    assert CaptionDataConfig().max_caption_tokens == 510
+    r = recipe(tmp_path)
+    del r["data"]["features"]
+    r["data"]["context"] = "none"
+    task = CaptioningTask(r, bundle=FakeBundle(None, ("image", "article", "faces"), context_mode="none"))
+    assert task.model_cfg["max_len"] == 20  # tat/tiny generates at most 20 tokens
+    img = str(FIX / "goodnews" / "images" / "5a1b2c_0.jpg")
+    long = " ".join(f"word{i}" for i in range(400))  # far more than 510 BPE tokens
+    samples = [CaptionSample("a", long, img, "a"), CaptionSample("b", "A short one.", img, "b")]
+    ds = CaptionDataset(samples, task, "train", per_image=False)
+    assert len(ds.caption_ids[0]) == 512 and ds.caption_ids[0][0] == 0 and ds.caption_ids[0][-1] == 2
+    assert task.tokenizer.decode(ds.caption_ids[1][1:-1]) == "A short one."
+    torch.manual_seed(0)
+    model = task.build_model()
+    assert model.config.position_start == 2
+    out = model(task.collate([ds[0], ds[1]]))
+    assert out["ntokens"] == 511 + len(ds.caption_ids[1]) - 1 and torch.isfinite(out["loss"])
+    r["data"]["max_caption_tokens"] = 30
+    short = CaptionDataset(samples, CaptioningTask(r, bundle=task.bundle), "train", per_image=False)
+    assert len(short.caption_ids[0]) == 32
+    r["data"]["max_caption_tokens"] = 0
+    with pytest.raises(Exception, match="max_caption_tokens must be at least 1"):
+        CaptioningTask(r)
 
 
 def test_feature_cache_keeps_precomputed_faces_and_objects(tmp_path, monkeypatch):

@@ -159,7 +159,7 @@ def run_row(path, args, log) -> dict:
         bs = int(ev.get("batch_size") or (recipe.get("train") or {}).get("batch_size") or 16)
         metrics, preds = run_eval(task, model, dataset, args.split, info, batch_size=bs, progress=args.progress)
         write_eval_outputs(run_dir / "eval", args.split, metrics, preds,
-                           {"checkpoint": str(ckpt), "task": recipe["task"]})
+                           {"checkpoint": str(ckpt), "task": recipe["task"], **getattr(task, "eval_info", {})})
     finally:
         distributed.teardown(info)
     row = {

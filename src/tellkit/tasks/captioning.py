@@ -7,7 +7,7 @@ Recipe sections read here, each a dataclass that refuses unknown keys (see ``con
     encoders: EncodersConfig       (tellkit.encoders.bundle: image, article, faces, weights, ...)
     data:     CaptionDataConfig    {format: goodnews | nytimes800k | coco | flickr8k, root: PATH,
                context: location_aware | first_tokens | other_captions | none,
-               context_policy: reference | cut, max_article_tokens: 512,
+               context_policy: reference | cut, max_article_tokens: 512, max_caption_tokens: 510,
                features: DIR (cache; optional), limit, options, files}
     eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (tellkit.generation),
                metrics: [bleu, meteor, rouge, cider], ner: true, ner_model, monitor: loss, batch_size}
@@ -71,6 +71,9 @@ class CaptionDataConfig:
     context: str = "location_aware"  # which article text the model reads (tellkit.encoders.context)
     context_policy: str = "reference"  # reference (the paper's code) | cut (tellkit's earlier builder)
     max_article_tokens: int = 512  # the article encoder's budget, special tokens included
+    # caption BPE tokens kept for training / the teacher-forced loss, between <s> and </s> (the
+    # reference's caption indexer keeps 510); the decoder's sinusoidal positions have no fixed size
+    max_caption_tokens: int = 510
     features: str | None = None  # feature-cache folder (optional)
     limit: dict[str, int] | None = None  # e.g. {val: 250, test: 500}: the first N samples of a split
     options: dict[str, Any] = field(default_factory=dict)  # keyword options of the data loader
@@ -86,6 +89,8 @@ class CaptionDataConfig:
                                f"got {self.context_policy!r}")
         if int(self.max_article_tokens) < 3:
             raise TellkitError(f"data.max_article_tokens must be at least 3, got {self.max_article_tokens}")
+        if isinstance(self.max_caption_tokens, bool) or int(self.max_caption_tokens) < 1:
+            raise TellkitError(f"data.max_caption_tokens must be at least 1, got {self.max_caption_tokens}")
         for name in ("limit", "files", "options"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, Mapping):
@@ -234,8 +239,8 @@ class CaptionDataset(Dataset):
             self.samples = samples
             self.refs = [[s.caption] for s in samples]
         tok = task.tokenizer
-        max_len = task.model_cfg.get("max_len", 100)
-        self.caption_ids = [[tok.bos_id, *tok.encode(s.caption)[: max_len - 1], tok.eos_id] for s in self.samples]
+        keep = int(task.data.max_caption_tokens)  # not the generation length: training sees long captions whole
+        self.caption_ids = [[tok.bos_id, *tok.encode(s.caption)[:keep], tok.eos_id] for s in self.samples]
         self.store = cached_features(task, samples, split) if task.data.features else None
         if self.store is not None:  # images the extractor could not read are left out (it reports them)
             keep = [i for i, s in enumerate(self.samples) if (s.image_id or s.id) in self.store]
@@ -295,6 +300,8 @@ class CaptioningTask(Task):
         self.monitor = self.eval.monitor
         self.monitor_mode = "min" if self.monitor == "loss" else "max"
         self._bundle = bundle
+        # what the scores were computed with, beside the numbers (``metrics_<split>.json``)
+        self.eval_info: dict[str, Any] = {}
 
     @functools.cached_property
     def tokenizer(self):
@@ -362,13 +369,26 @@ class CaptioningTask(Task):
                 for i, iid, toks, refs in zip(batch["ids"], batch["image_ids"], out["tokens"], batch["references"])]
 
     @functools.cached_property
+    def ner_model(self) -> str:
+        """The spaCy pipeline the entity metrics use (``eval.ner_model``; ``auto``: the best installed)."""
+        from tellkit.metrics.ner import DEFAULT_MODEL, resolve_model
+
+        return resolve_model(self.eval.ner_model or DEFAULT_MODEL)
+
+    @functools.cached_property
     def train_words(self) -> set[str]:
-        """Every word of every training caption (rare proper nouns are those outside it); kept
-        beside the feature cache, if any, so evaluation does not re-read the training data."""
-        cache = Path(self.data.features) / "train_caption_words.txt" if self.data.features else None
+        """The proper nouns (spaCy PROPN tokens, :func:`tellkit.metrics.ner.train_proper_nouns`)
+        of the training captions: a proper noun outside them is rare. Kept beside the feature
+        cache, if any, one file per spaCy pipeline, so evaluation does not re-read and re-tag
+        the training data."""
+        name = self.ner_model
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+        cache = Path(self.data.features) / f"train_caption_propn-{safe}.txt" if self.data.features else None
         if cache is not None and cache.is_file():
-            return set(cache.read_text(encoding="utf-8").split())
-        words = {w for s in self.load_samples("train") for w in re.findall(r"\w+", s.caption)}
+            return set(cache.read_text(encoding="utf-8").split("\n")) - {""}
+        from tellkit.metrics.ner import train_proper_nouns
+
+        words = train_proper_nouns((s.caption for s in self.load_samples("train")), model=name)
         if cache is not None:
             from tellkit.checkpoint import atomic_write_bytes
 
@@ -387,9 +407,10 @@ class CaptioningTask(Task):
             p["scores"] = per[p["id"]]
         metrics.update(linguistic_scores(preds.values()))
         if self.eval.ner:
-            from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores
+            from tellkit.metrics.ner import entity_scores
 
             words = self.train_words if self.eval.rare_proper_nouns else None
             metrics.update(entity_scores(preds, {k: v[0] for k, v in refs.items()}, train_words=words,
-                                         model=self.eval.ner_model or DEFAULT_MODEL))
+                                         model=self.ner_model))
+            self.eval_info["ner_model"] = self.ner_model
         return metrics

@@ -89,7 +89,8 @@ def test_deeply_nested_json(ckpt):
     n = 200_000
     (ckpt / "config.json").write_text('{"family": "toy_lm", "config": {"x": ' + "[" * n + "]" * n + "}}")
     refused(ckpt, "config.json", "RecursionError")
-    (ckpt / "config.json").write_text(json.dumps({**good, "note": "[" * 40 + "]" * 40}).replace('"[', "[").replace(']"', "]"))
+    deep = json.dumps({**good, "note": "[" * 40 + "]" * 40}).replace('"[', "[").replace(']"', "]")
+    (ckpt / "config.json").write_text(deep)
     refused(ckpt, "nested more than 32 levels")
 
 

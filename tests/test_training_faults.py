@@ -115,7 +115,7 @@ def test_resave_of_a_step_never_removes_the_state_last_points_at(reference, tmp_
         run(tmp_path / "run")
     monkeypatch.setattr(checkpointing, "save_model", real)
     last = tmp_path / "run" / "checkpoints" / "last"
-    assert (last / "trainer_state.json").is_file() and json.loads((last / "trainer_state.json").read_text())["step"] == 6
+    assert json.loads((last / "trainer_state.json").read_text())["step"] == 6
     run(tmp_path / "run", resume=True)
     assert_same(reference, tmp_path / "run")
 
@@ -155,14 +155,19 @@ def _nan(d: Path):
     save_file(w, str(d / "model.safetensors"))
 
 
+def _write(name: str, data: str):
+    return lambda d: (d / name).write_text(data)
+
+
 DAMAGE = {
     "truncated tensors": (_truncate, "model.safetensors unreadable"),
-    "empty optimizer tensors": (lambda d: (d / "optimizer.safetensors").write_bytes(b""), "optimizer.safetensors unreadable"),
-    "bad JSON state": (lambda d: (d / "trainer_state.json").write_text('{"step": 8, "epo'), "trainer_state.json: unreadable"),
-    "state not a mapping": (lambda d: (d / "trainer_state.json").write_text("[1, 2]"), "trainer_state.json: not a mapping"),
+    "empty optimizer tensors": (_write("optimizer.safetensors", ""), "optimizer.safetensors unreadable"),
+    "bad JSON state": (_write("trainer_state.json", '{"step": 8, "epo'), "trainer_state.json: unreadable"),
+    "state not a mapping": (_write("trainer_state.json", "[1, 2]"), "trainer_state.json: not a mapping"),
     "missing optimizer": (lambda d: (d / "optimizer.json").unlink(), "optimizer.json: missing"),
     "missing RNG": (lambda d: (d / "rng_rank0.safetensors").unlink(), "rng_rank0.safetensors missing"),
-    "dangling last": (lambda d: __import__("shutil").rmtree(d), "checkpoints/last points at step_00000008, which does not exist"),
+    "dangling last": (lambda d: __import__("shutil").rmtree(d),
+                      "checkpoints/last points at step_00000008, which does not exist"),
     "NaN weights": (_nan, "hid.weight holds NaN"),
 }
 

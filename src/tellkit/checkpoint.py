@@ -250,11 +250,13 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: st
     really_missing = [k for k in missing if k not in tied_ok]
     unexpected = [k for k in state if k not in own]
     if really_missing or unexpected:
-        raise TellkitError(f"{where}: weights do not match the config (missing {really_missing[:5]}, unexpected {unexpected[:5]})")
+        raise TellkitError(f"{where}: weights do not match the config "
+                           f"(missing {really_missing[:5]}, unexpected {unexpected[:5]})")
     for k, v in state.items():
         if tuple(v.shape) != tuple(own[k].shape):
             raise TellkitError(f"{where}: tensor {k} has shape {tuple(v.shape)}, config expects {tuple(own[k].shape)}")
-        if v.is_floating_point() != own[k].is_floating_point() or (v.dtype == torch.bool) != (own[k].dtype == torch.bool):
+        kind_differs = v.is_floating_point() != own[k].is_floating_point()
+        if kind_differs or (v.dtype == torch.bool) != (own[k].dtype == torch.bool):
             raise TellkitError(f"{where}: tensor {k} is {str(v.dtype).replace('torch.', '')}, "
                                f"the model holds {str(own[k].dtype).replace('torch.', '')}")
         if finite and v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
@@ -287,9 +289,11 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
     if getattr(src, "family", None) != family:
         raise TellkitError(f"{d}: holds a '{getattr(src, 'family', None)}' model, this run trains '{family}'")
     own, theirs = model.state_dict(), src.state_dict()
-    bad = sorted(k for k in set(own) | set(theirs) if k not in own or k not in theirs or own[k].shape != theirs[k].shape)
+    bad = sorted(k for k in set(own) | set(theirs)
+                 if k not in own or k not in theirs or own[k].shape != theirs[k].shape)
     if bad:
-        raise TellkitError(f"{d}: weights do not fit this model's configuration ({len(bad)} tensors differ, e.g. {bad[:3]})")
+        raise TellkitError(f"{d}: weights do not fit this model's configuration "
+                           f"({len(bad)} tensors differ, e.g. {bad[:3]})")
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(theirs[k].to(v.dtype))

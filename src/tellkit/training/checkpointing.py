@@ -108,7 +108,8 @@ def save_optimizer(optimizer: torch.optim.Optimizer, directory: Path) -> None:
 def read_optimizer(directory: Path) -> dict[str, Any]:
     """The optimizer's state dict as saved, checked for readability (not yet applied)."""
     meta = _read_json(directory / "optimizer.json")
-    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict) or not isinstance(meta.get("param_groups"), list):
+    if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict) \
+            or not isinstance(meta.get("param_groups"), list):
         raise DamagedCheckpoint("optimizer.json: not an optimizer state")
     tensors = _load_tensors(directory / "optimizer.safetensors")
     _check_finite(tensors, "optimizer.safetensors")
@@ -227,7 +228,8 @@ def read_state(directory: Path, rank: int = 0, world: int = 1) -> SavedState:
     try:
         read_checkpoint_config(directory)
     except TellkitError as exc:
-        raise DamagedCheckpoint(str(exc).replace(str(directory) + os.sep, "").replace(str(directory), directory.name)) from exc
+        msg = str(exc).replace(str(directory) + os.sep, "").replace(str(directory), directory.name)
+        raise DamagedCheckpoint(msg) from exc
     weights = _load_tensors(directory / WEIGHTS_NAME)
     _check_finite(weights, WEIGHTS_NAME)
     optimizer = read_optimizer(directory)
@@ -303,7 +305,8 @@ class CheckpointManager:
         """Every saved state folder, newest first (half-written ``*.tmp`` folders excluded)."""
         if not self.dir.is_dir():
             return []
-        return sorted((p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=_order, reverse=True)
+        found = (p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.is_dir())
+        return sorted(found, key=_order, reverse=True)
 
     def holds_run(self) -> bool:
         return bool(self.states()) or (self.dir / "last").is_symlink()
@@ -421,6 +424,7 @@ class CheckpointManager:
 
     # -- reading -------------------------------------------------------------------------
     @staticmethod
-    def load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0) -> dict[str, Any]:
+    def load(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             rank: int = 0) -> dict[str, Any]:
         """Load weights (+ optimizer, + this rank's RNG) from ``directory``; return trainer state."""
         return apply_state(read_state(Path(directory), rank), model, optimizer)

@@ -2,9 +2,11 @@
 
     train(recipe, run_dir)            # or: tellkit train CONFIG key=value ... --out RUN [--resume]
 
-Read top to bottom: set-up (processes, device, seeds, task, model, optimizer, schedule), then
-epochs of optimizer steps, each step = ``accumulate`` micro-batches per process; validation at
-the end of every ``eval_every_epochs``-th epoch with early stopping on ``task.monitor``.
+Read top to bottom: the building blocks (optimizer, schedule, batch plan, CSV log, stop
+signal), then ``train`` and its :class:`Trainer`, one method per concern: ``setup`` (run folder,
+task, model, data, optimizer, schedule, resumed state, logs), ``fit`` (epochs), ``step`` (one
+optimizer step = ``accumulate`` micro-batches per process), ``log_step``, ``evaluate`` (at the
+end of every ``eval_every_epochs``-th epoch, early stopping on ``task.monitor``) and ``save``.
 
 Explicit choices:
 - Loss normalisation: every micro-batch contributes ``loss * ntokens`` and the summed gradient is
@@ -309,10 +311,12 @@ class Trainer:
                 except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
                     raise TellkitError(f"--resume: {cfg_file} is not readable YAML ({type(exc).__name__})") from exc
                 if not isinstance(saved, dict):
-                    raise TellkitError(f"--resume: {cfg_file} holds no recipe (a {type(saved).__name__}, not a mapping)")
+                    raise TellkitError(f"--resume: {cfg_file} holds no recipe "
+                                       f"(a {type(saved).__name__}, not a mapping)")
                 diff = sorted(str(k) for k in set(saved) | set(self.resolved) if saved.get(k) != self.resolved.get(k))
                 if diff:
-                    raise TellkitError(f"--resume: the config differs from the run's saved config.yaml in section(s) {', '.join(diff)}")
+                    raise TellkitError("--resume: the config differs from the run's saved config.yaml "
+                                       f"in section(s) {', '.join(diff)}")
         elif self.ckpts.holds_run():
             raise TellkitError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --out")
         # every section but the model (which config.json holds already) goes to the top level of
@@ -357,7 +361,8 @@ class Trainer:
             f"{type(model).__name__} on {dist.device} x{dist.world}: "
             f"{sum(p.numel() for p in model.parameters() if p.requires_grad):,} trainable parameters; "
             f"{len(self.train_set)} train / {len(self.val_set) if self.val_set is not None else 0} val samples; "
-            f"{self.steps_per_epoch} steps per epoch, {self.total_steps} in all; mixed precision {self.amp_dtype or 'off'}"
+            f"{self.steps_per_epoch} steps per epoch, {self.total_steps} in all; "
+            f"mixed precision {self.amp_dtype or 'off'}"
         )
 
     def _restore_or_seed(self) -> None:
@@ -389,7 +394,8 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [dist.device.index] if dist.device.type == "cuda" else None
-            self.ddp_model = DDP(self.model, device_ids=ids, find_unused_parameters=self.task.ddp_find_unused_parameters)
+            self.ddp_model = DDP(self.model, device_ids=ids,
+                                 find_unused_parameters=self.task.ddp_find_unused_parameters)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _open_logs(self) -> None:
@@ -430,7 +436,8 @@ class Trainer:
         summary = {
             "stopped": stop, "steps": st.step, "epochs": st.epoch, "monitor": self.task.monitor,
             "best": st.best, "best_step": st.best_step, "run_dir": str(self.run_dir),
-            "last_checkpoint": str(last_dir) if last_dir else None, "best_checkpoint": str(best_dir) if best_dir else None,
+            "last_checkpoint": str(last_dir) if last_dir else None,
+            "best_checkpoint": str(best_dir) if best_dir else None,
             "elapsed_s": time.time() - self.t0,
         }
         self.log(f"stopped ({stop}) after {st.step} steps; best {self.task.monitor} {st.best} at step {st.best_step}")
@@ -534,7 +541,8 @@ class Trainer:
                 for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
                     self.tb.add_scalar(f"train/{k}", row[k], st.step)
             if bar is None:
-                self.log(f"step {st.step} epoch {st.epoch}: loss {row['loss']:.4f} lr {lr:.3g} |g| {row['grad_norm']:.3g}")
+                self.log(f"step {st.step} epoch {st.epoch}: loss {row['loss']:.4f} lr {lr:.3g} "
+                         f"|g| {row['grad_norm']:.3g}")
         st.window_loss = st.window_tokens = 0.0
         self.window_start = time.time()
 

@@ -234,7 +234,7 @@ def _convert(img, mode: str, extrema=None):
         if not (hi > lo) or not (np.isfinite(lo) and np.isfinite(hi)):
             img = Image.new("L", img.size, 0)
         else:
-            a = np.asarray(img, dtype=np.float32)
+            a = np.array(img, dtype=np.float32)  # a writable copy of the strip (float images give a read-only view)
             a -= np.float32(lo)
             a *= np.float32(255.0 / (hi - lo))
             np.nan_to_num(a, copy=False)

@@ -6,11 +6,17 @@ Contract used across the project::
     to_rgb(img) -> PIL.Image.Image                          # any PIL mode -> RGB
     ImageNetTransform(resize=256, crop=224)(img) -> float[3, crop, crop]
 
-``load_image`` raises :class:`ImageLoadError` (a :class:`~tellkit.errors.TellkitError`) with a
-one-line message for a missing path, a directory, a file that is not an image, a corrupt or
-truncated image, and an image with more pixels than the cap (decompression-bomb guard); its
-``reason`` is one of :data:`LOAD_ERRORS` (for summaries such as ``tellkit features``). The cap is ``max_pixels``, else
-the environment variable ``TELLKIT_MAX_IMAGE_PIXELS``, else :data:`DEFAULT_MAX_PIXELS`.
+``load_image`` decodes through :func:`tellkit.utils.images.open_image`, the one decoder for
+untrusted images (``tellkit caption``, ``demo``, ``features``, the data sets' images): the format
+(:data:`IMAGE_FORMATS`; never EPS) and the pixel count are checked from the header before any
+pixel is decoded, so a small file that declares a huge bitmap is refused at once, and high bit
+depths are converted strip by strip without float64 copies. It raises :class:`ImageLoadError`
+(:class:`tellkit.utils.images.ImageError`, a :class:`~tellkit.errors.TellkitError`) with a
+one-line message for a missing path, a directory, an empty file, a file that is not an image or
+is in a refused format, a corrupt or truncated image, and an image with more pixels than the cap;
+its ``reason`` is one of :data:`LOAD_ERRORS` (for summaries such as ``tellkit features``). The
+cap is ``max_pixels``, else the environment variable ``TELLKIT_MAX_IMAGE_PIXELS``, else
+:data:`DEFAULT_MAX_PIXELS`.
 
 The transform follows the recipe that ImageNet CNNs (and the paper's ResNet-152) were trained
 with: resize the short side to 256 (bilinear, antialiased; the long side is truncated to an int
@@ -27,39 +33,19 @@ reference's own image preparation did (PIL's ANTIALIAS filter).
 from __future__ import annotations
 
 import os
-import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-from tellkit.errors import TellkitError
+from tellkit.utils.images import DEFAULT_MAX_PIXELS, REASONS, SAFE_FORMATS, ImageError, open_image  # noqa: F401
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-DEFAULT_MAX_PIXELS = 64_000_000  # ~8000 x 8000; news photos are far smaller
-LOAD_ERRORS = ("not found", "directory", "not an image", "corrupt or truncated", "too many pixels")
-
-
-class ImageLoadError(TellkitError):
-    """An image that cannot be used; ``reason`` in :data:`LOAD_ERRORS`."""
-
-    def __init__(self, message: str, reason: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-def _max_pixels(max_pixels: int | None) -> int:
-    if max_pixels is not None:
-        return int(max_pixels)
-    env = os.environ.get("TELLKIT_MAX_IMAGE_PIXELS")
-    if env:
-        try:
-            return int(env)
-        except ValueError:
-            raise TellkitError(f"TELLKIT_MAX_IMAGE_PIXELS must be an integer, got {env!r}") from None
-    return DEFAULT_MAX_PIXELS
+# the decoder's safe formats, and MPO: the JPEG (with extra frames) that many cameras write
+IMAGE_FORMATS = (*SAFE_FORMATS, "MPO")
+LOAD_ERRORS = REASONS
+ImageLoadError = ImageError  # an image that cannot be used; ``reason`` in LOAD_ERRORS
 
 
 def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
@@ -83,34 +69,7 @@ def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255))
 
 def load_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.Image:
     """Open an image file as RGB with its EXIF orientation applied (see module docstring)."""
-    p = Path(path)
-    if not p.exists():
-        raise ImageLoadError(f"{p}: image not found", "not found")
-    if p.is_dir():
-        raise ImageLoadError(f"{p}: is a directory, expected an image file", "directory")
-    cap = _max_pixels(max_pixels)
-    try:
-        with warnings.catch_warnings():
-            # PIL warns (and past 2x raises) at its own cap; ours is checked just below.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(p) as img:
-                w, h = img.size
-                if w * h > cap:
-                    raise ImageLoadError(
-                        f"{p}: image is {w}x{h} = {w * h:,} pixels, over the cap of {cap:,} "
-                        "(set TELLKIT_MAX_IMAGE_PIXELS to allow it)", "too many pixels")
-                img.load()  # decode now, so truncation / corruption is caught here
-                out = to_rgb(ImageOps.exif_transpose(img))
-                return out.copy() if out is img else out  # never hand out the closed file's image
-    except TellkitError:
-        raise
-    except UnidentifiedImageError:
-        raise ImageLoadError(f"{p}: not an image file (or a format PIL cannot read)", "not an image") from None
-    except Image.DecompressionBombError as exc:
-        raise ImageLoadError(f"{p}: image too large ({exc})", "too many pixels") from None
-    except (OSError, SyntaxError, ValueError, EOFError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ImageLoadError(f"{p}: corrupt or truncated image ({msg})", "corrupt or truncated") from None
+    return open_image(path, max_pixels=max_pixels, mode="RGB", formats=IMAGE_FORMATS)
 
 
 RESAMPLE = {"bilinear": Image.BILINEAR, "lanczos": Image.LANCZOS, "bicubic": Image.BICUBIC}

@@ -71,7 +71,7 @@ def test_load_image_errors(tmp_path):
     (tmp_path / "trunc.jpg").write_bytes(data[: len(data) // 2])
     with pytest.raises(TellkitError, match="corrupt or truncated"):
         load_image(tmp_path / "trunc.jpg")
-    with pytest.raises(TellkitError, match="over the cap"):
+    with pytest.raises(TellkitError, match="over the limit"):
         load_image(buf, max_pixels=1000)
     with pytest.raises(TellkitError) as info:
         load_image(tmp_path / "trunc.jpg")

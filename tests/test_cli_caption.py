@@ -40,6 +40,43 @@ def test_bad_inputs_fail_with_one_line(tmp_path, capsys, monkeypatch):
     assert "checkpoint" in one_line_error(capsys, ["caption", "--image", img, "--checkpoint", str(tmp_path)])
 
 
+def test_untrusted_images_go_through_the_safe_decoder(tmp_path, capsys):
+    """A decompression bomb (a 70-byte PNG declaring 30000 x 30000 pixels) and an EPS file (which
+    PIL would hand to Ghostscript) are refused from their header in one line, before any model
+    loads; a 16-bit photo is converted without whole-image float64 copies."""
+    import struct
+    import tracemalloc
+    import zlib
+
+    import numpy as np
+    from PIL import Image
+
+    from tellkit.encoders.preprocess import load_image
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    bomb = tmp_path / "bomb.png"
+    bomb.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 30000, 30000, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    assert bomb.stat().st_size < 100
+    err = one_line_error(capsys, ["caption", "--image", str(bomb)])
+    assert "900,000,000 pixels" in err and "decompression-bomb guard" in err
+    eps = tmp_path / "photo.jpg"
+    eps.write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n")
+    assert "format EPS is not accepted" in one_line_error(capsys, ["caption", "--image", str(eps)])
+    deep = tmp_path / "deep.png"
+    Image.fromarray((np.arange(2000 * 2000, dtype=np.uint32) % 65536).astype(np.uint16).reshape(2000, 2000)).save(deep)
+    tracemalloc.start()
+    try:
+        img = load_image(deep)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert img.mode == "RGB" and img.size == (2000, 2000)
+    assert peak < 12 * 2**20, f"{peak / 2**20:.0f} MiB of numpy buffers"  # a float64 copy alone is 31 MiB
+
+
 @pytest.mark.slow
 def test_json_with_faces_and_attention(tmp_path, capsys):
     import torch

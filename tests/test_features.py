@@ -139,3 +139,56 @@ def test_static_word_vectors_go_through_the_feature_cache(tmp_path):
         dist = torch.cdist(x["article"][0].float(), table.vectors.half().float())  # [L, V]
         assert dist.min(-1).values.max() < 1e-2  # exact rows, up to cdist rounding
         assert (x["article_ids"] >= 0).float().mean() > 0.9  # whole words: nearly all have a caption piece
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("tellkit features: error:"), err
+    return err
+
+
+def test_binary_image_list_and_an_out_that_is_a_file_are_one_line_errors(image_dir, tmp_path, capsys):
+    photo = image_dir / "rocket.jpg"
+    assert _run(tmp_path / "o", "--images", photo) == 2  # an image given as the list
+    assert "not a text list of image paths" in _one_line(capsys)
+    (tmp_path / "list.txt").write_bytes(b"rocket.jpg\n\x00\x01\x02")
+    assert _run(tmp_path / "o", "--images", tmp_path / "list.txt") == 2
+    assert "binary data at byte 11" in _one_line(capsys)
+    (tmp_path / "file").write_text("x")
+    assert _run(tmp_path / "file", "--images", image_dir) == 2
+    assert "is a file, expected a folder" in _one_line(capsys)
+    assert _run(tmp_path / "file" / "sub", "--images", image_dir) == 2
+    assert "parent" in _one_line(capsys)
+    (tmp_path / "good.txt").write_text(f"{photo}\n", encoding="utf-8")  # a text list still works
+    assert _run(tmp_path / "o", "--images", tmp_path / "good.txt", "--no-faces") == 0
+
+
+def _png_bomb(path, width: int, height: int) -> None:
+    """A 70-byte PNG whose header declares width x height RGB pixels."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+
+
+def test_decompression_bomb_and_refused_formats_are_skipped_before_decoding(tmp_path, capsys):
+    """Images go through utils.images.open_image: a small file declaring 9000 x 9000 pixels and an
+    EPS file (which PIL would hand to Ghostscript) are skipped with their reason; the rest is encoded."""
+    d = tmp_path / "imgs"
+    d.mkdir()
+    _png_bomb(d / "bomb.png", 9000, 9000)
+    assert (d / "bomb.png").stat().st_size < 100
+    # an EPS file under a .jpg name
+    (d / "page.jpg").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n")
+    Image.new("RGB", (40, 30), (200, 10, 10)).save(d / "ok.png")
+    assert _run(tmp_path / "o", "--images", d, "--no-faces") == 0
+    out = capsys.readouterr().out
+    assert "features: 1 of 3 images" in out
+    summary = json.loads((tmp_path / "o" / "features.json").read_text())["summary"]
+    assert summary["skipped_by_reason"] == {"too many pixels": 1, "unsupported format": 1}
+    assert "decompression-bomb guard" in out and "format EPS is not accepted" in out

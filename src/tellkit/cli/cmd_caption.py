@@ -7,9 +7,12 @@ generation settings (its recipe's ``eval:`` section) unless ``--beam-size`` / ``
 otherwise. ``--json`` prints the caption with the detected faces and, for every generated token,
 its attention (mean over heads and layers) over the image grid cells, the article tokens and the
 faces (and, for models that read objects, how many object vectors there were: none for a new
-image, as no object detector ships). Bad input (missing, corrupt or
-truncated image, a directory, a huge image, an empty or non-UTF-8 article) is a one-line error
-with exit status 2.
+image, as no object detector ships). The image is decoded by
+:func:`tellkit.utils.images.open_image` (through ``encoders.preprocess.load_image``): format and
+pixel count are checked from the header, so a decompression bomb or an EPS file is refused
+before any pixel is decoded or any model loads. Bad input (missing, empty, corrupt or truncated
+image, a directory, a refused format, more pixels than ``TELLKIT_MAX_IMAGE_PIXELS``, an empty or
+non-UTF-8 article) is a one-line error with exit status 2.
 """
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 captioning model, then read the packaged handwritten-math sample with the default BTTR model.
 The samples (``tellkit/assets/demo_caption``, see its SOURCES.md; the math sample is
 ``tellkit.pipelines.recognition.SAMPLE_PATH``, drawn from hand-made pen strokes) are free to
-redistribute; each image is captioned with its article when it has one (``<name>.txt``). Until a
-default captioning model is installed, an untrained tiny model runs instead, and says so."""
+redistribute; each image is decoded by :func:`tellkit.utils.images.open_image` (through
+``encoders.preprocess.load_image``, like every image a user gives) and captioned with its article
+when it has one (``<name>.txt``). Until a default captioning model is installed, an untrained
+tiny model runs instead, and says so."""
 from __future__ import annotations
 
 NAME = "demo"

@@ -5,8 +5,11 @@ hidden states into shards under OUT (see tellkit.encoders.features for the layou
     tellkit features feats/ --format goodnews --root data/goodnews --split val --article
     tellkit features feats/ --images photos/ --image-encoder resnet152 --image-weights r152.pth
 
-Re-running the same command resumes after the last finished shard. Unreadable images are
-reported and skipped; the summary (also in OUT/features.json) counts them by reason.
+Re-running the same command resumes after the last finished shard. Images are decoded by
+:func:`tellkit.utils.images.open_image` (format and pixel cap checked from the header, so a
+decompression bomb is refused before any pixel is decoded); unreadable images are reported and
+skipped, and the summary (also in OUT/features.json) counts them by reason. An OUT that is not a
+folder, or an image list that is not UTF-8 text, is a one-line error.
 """
 from __future__ import annotations
 
@@ -58,6 +61,9 @@ def run(args) -> int:
     from tellkit.encoders.features import FeatureConfig, extract_features, items_from_images
     from tellkit.errors import TellkitError
 
+    check_out(Path(args.out))
+    if args.images:
+        check_image_list(Path(args.images))
     if args.format and not args.root:
         raise TellkitError("--format needs --root (the data set's location)")
     if args.images and (args.root or args.split or args.image_root):
@@ -105,3 +111,32 @@ def run(args) -> int:
         print(f"  ... {summary['skipped'] - 20} more in {Path(args.out) / 'features.json'}")
     print(json.dumps({k: v for k, v in summary.items() if k != "skipped_items"}))
     return 0
+
+
+def check_out(out) -> None:
+    """OUT must be a folder or not exist yet (nor any of its parents be a file)."""
+    from tellkit.errors import TellkitError
+
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "OUT" if p == out else f"OUT's parent {p}"
+                raise TellkitError(f"{out}: {what} is a file, expected a folder for the feature shards")
+            return
+
+
+def check_image_list(path) -> None:
+    """A file given to --images must be a UTF-8 text list of image paths (one per line)."""
+    from tellkit.errors import TellkitError
+
+    if not path.is_file():
+        return  # a folder, or missing: items_from_images says which
+    data = path.read_bytes()
+    try:
+        data.decode("utf-8")
+        bad = data.find(b"\0")
+    except UnicodeDecodeError as exc:
+        bad = exc.start
+    if bad >= 0:
+        raise TellkitError(f"{path}: not a text list of image paths (binary data at byte {bad}); "
+                           "--images takes a folder or a UTF-8 file with one image path per line")

@@ -59,3 +59,37 @@ def test_two_process_step_equals_single_process_step(tmp_path):
         assert got["ids"] == [p["id"] for p in preds] and len(got["ids"]) == 7
         assert got["metrics"]["accuracy"] == pytest.approx(metrics["accuracy"])
         assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-6)
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(FIX / "ddp_worker.py"), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_two_process_resume_falls_back_from_a_damaged_last_state(tmp_path):
+    """Under DDP, rank 0 picks the state to resume from and every rank loads it (with its own
+    RNG state): a truncated ``last`` makes both processes resume from ``best`` (epoch 1), and
+    the run ends with the weights of the unbroken two-process run."""
+    import shutil
+
+    _torchrun(str(tmp_path / "full"), "2", "run")
+    ck = tmp_path / "full" / "run" / "checkpoints"
+    assert (ck / "best").resolve() != (ck / "last").resolve()
+    assert (ck / "best").resolve().name.startswith("step_00000006")  # 24 samples / (2 x 2) = 6 steps per epoch
+    shutil.copytree(tmp_path / "full", tmp_path / "broken", symlinks=True)
+    last = (tmp_path / "broken" / "run" / "checkpoints" / "last").resolve()
+    (last / "model.safetensors").write_bytes((last / "model.safetensors").read_bytes()[:100])
+    proc = _torchrun(str(tmp_path / "broken"), "2", "run", "--resume")
+    warnings = [line for line in proc.stdout.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "model.safetensors unreadable" in warnings[0], proc.stdout[-2000:]
+    assert json.loads((tmp_path / "broken" / "summary.json").read_text())["steps"] == 12
+    a = load_file(str(ck / "last" / "model.safetensors"))
+    b = load_file(str(tmp_path / "broken" / "run" / "checkpoints" / "last" / "model.safetensors"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

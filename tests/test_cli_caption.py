@@ -86,9 +86,10 @@ def test_json_with_faces_and_attention(tmp_path, capsys):
     torch.manual_seed(0)
     model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512, max_len=8)
     ckpt = tmp_path / "ckpt"
-    model.save_pretrained(ckpt, extra={"task": "captioning", "encoders": {"image": "mobilenet_v2", "article": "all-MiniLM-L6-v2",
-                                                                         "faces": "facenet_casia"}})
-    argv = ["caption", "--image", str(DEMO / "astronaut.jpg"), "--article", str(DEMO / "astronaut.txt"), "--checkpoint", str(ckpt)]
+    encoders = {"image": "mobilenet_v2", "article": "all-MiniLM-L6-v2", "faces": "facenet_casia"}
+    model.save_pretrained(ckpt, extra={"task": "captioning", "encoders": encoders})
+    argv = ["caption", "--image", str(DEMO / "astronaut.jpg"), "--article", str(DEMO / "astronaut.txt"),
+            "--checkpoint", str(ckpt)]
     assert main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert isinstance(out["caption"], str) and out["tokens"]

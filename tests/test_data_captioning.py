@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gzip
-import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -176,7 +175,8 @@ def test_coco_official_and_karpathy():
 
 
 def test_flickr8k_csv_quoting(tmp_path):
-    (tmp_path / "captions.txt").write_text('image,caption\na.jpg,"A dog, running ."\na.jpg,A dog\nb.jpg,A cat , sitting\n')
+    text = 'image,caption\na.jpg,"A dog, running ."\na.jpg,A dog\nb.jpg,A cat , sitting\n'
+    (tmp_path / "captions.txt").write_text(text)
     rows = read_captions(tmp_path / "captions.txt")
     assert rows == [("a.jpg", "A dog, running ."), ("a.jpg", "A dog"), ("b.jpg", "A cat , sitting")]
     (tmp_path / "bad.txt").write_text("x,y\n")
@@ -194,7 +194,8 @@ def test_flickr8k_fixed_seeded_split(shared_data):
     assert parts["test"] == load_flickr8k(root, "test")  # fixed
     ctx = load_flickr8k(root, "test", context="other_captions")
     s = ctx[0]
-    assert len(s.paragraphs) == 4 and s.paragraphs == [x.caption for x in ctx if x.image_id == s.image_id and x is not s]
+    others = [x.caption for x in ctx if x.image_id == s.image_id and x is not s]
+    assert len(s.paragraphs) == 4 and s.paragraphs == others
     assert Path(s.image_path).is_file()
 
 

@@ -45,7 +45,8 @@ def test_folder_to_shards_with_skips(image_dir, tmp_path, capsys):
     assert "skipped broken" in printed.err and "skipped notes" in printed.err
     summary = json.loads((out / "features.json").read_text())["summary"]
     assert summary["skipped_by_reason"] == {"corrupt or truncated": 1, "not an image": 1}
-    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"]
+    shards = ["shard-00000.safetensors", "shard-00001.safetensors", "shard-00002.safetensors"]
+    assert sorted(p.name for p in out.glob("shard-*")) == shards
 
     store = FeatureStore(out)
     assert sorted(store.ids) == ["astronaut", "chelsea", "coffee", "rocket", "sub/camera"]
@@ -103,7 +104,7 @@ def test_dataset_with_article_states_and_copy_ids(tmp_path):
     from tellkit.encoders.tokenizer import CaptionTokenizer
 
     cap = CaptionTokenizer.load()
-    for item_id, x in store.items():
+    for _, x in store.items():
         n_layers, L, D = x["article"].shape
         assert (n_layers, D) == (7, 384) and x["article_mask"].shape == (L,) == x["article_ids"].shape
         assert x["article_ids"][0] == -1 and x["article_ids"][-1] == -1  # [CLS], [SEP]

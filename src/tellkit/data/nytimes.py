@@ -24,8 +24,9 @@ What a sample carries in ``sample.extra`` (float32 numpy arrays, as the referenc
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 

@@ -116,13 +116,15 @@ class InceptionResnetV1(nn.Module):
         self.repeat_1 = nn.Sequential(*[block35() for _ in range(5)])
         self.mixed_6a = _Reduction([
             BasicConv2d(256, 384, 3, stride=2),
-            nn.Sequential(BasicConv2d(256, 192, 1), BasicConv2d(192, 192, 3, padding=1), BasicConv2d(192, 256, 3, stride=2)),
+            nn.Sequential(BasicConv2d(256, 192, 1), BasicConv2d(192, 192, 3, padding=1),
+                          BasicConv2d(192, 256, 3, stride=2)),
             nn.MaxPool2d(3, stride=2)])
         self.repeat_2 = nn.Sequential(*[block17() for _ in range(10)])
         self.mixed_7a = _Reduction([
             nn.Sequential(BasicConv2d(896, 256, 1), BasicConv2d(256, 384, 3, stride=2)),
             nn.Sequential(BasicConv2d(896, 256, 1), BasicConv2d(256, 256, 3, stride=2)),
-            nn.Sequential(BasicConv2d(896, 256, 1), BasicConv2d(256, 256, 3, padding=1), BasicConv2d(256, 256, 3, stride=2)),
+            nn.Sequential(BasicConv2d(896, 256, 1), BasicConv2d(256, 256, 3, padding=1),
+                          BasicConv2d(256, 256, 3, stride=2)),
             nn.MaxPool2d(3, stride=2)])
         self.repeat_3 = nn.Sequential(*[block8() for _ in range(5)])
         self.block8 = block8(scale=1.0, relu=False)
@@ -134,7 +136,8 @@ class InceptionResnetV1(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """float[B, 3, 160, 160] (standardised) -> unit vectors float[B, 512]."""
-        x = self.conv2d_4b(self.conv2d_4a(self.conv2d_3b(self.maxpool_3a(self.conv2d_2b(self.conv2d_2a(self.conv2d_1a(x)))))))
+        x = self.conv2d_2b(self.conv2d_2a(self.conv2d_1a(x)))
+        x = self.conv2d_4b(self.conv2d_4a(self.conv2d_3b(self.maxpool_3a(x))))
         x = self.block8(self.repeat_3(self.mixed_7a(self.repeat_2(self.mixed_6a(self.repeat_1(x))))))
         x = self.dropout(self.avgpool_1a(x).flatten(1))
         return F.normalize(self.last_bn(self.last_linear(x)), p=2, dim=1)

@@ -173,7 +173,7 @@ class MTCNN(nn.Module):
                 W.load_strict(getattr(self, name), sd, f"MTCNN {name}", source="facenet-pytorch")
         self.eval().requires_grad_(False)
 
-    def train(self, mode: bool = True) -> "MTCNN":
+    def train(self, mode: bool = True) -> MTCNN:
         return super().train(False)
 
     def _scales(self, h: int, w: int) -> list[float]:

@@ -52,7 +52,7 @@ class FaceEncoder(nn.Module):
         self.facenet = load_facenet(facenet_weights)
         self.max_faces, self.margin, self.standardization = max_faces, margin, standardization
 
-    def train(self, mode: bool = True) -> "FaceEncoder":
+    def train(self, mode: bool = True) -> FaceEncoder:
         return super().train(False)
 
     @torch.no_grad()

@@ -8,9 +8,9 @@ PyTorch state dict; see :mod:`tellkit.encoders.faces.facenet`.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 

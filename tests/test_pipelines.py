@@ -203,3 +203,40 @@ def test_layering_has_no_cycles_in_the_middle():
     for f in ("cli/cmd_caption.py", "cli/cmd_demo.py", *_imports_of("pipelines")):
         mods = _imports(SRC / f)
         assert not [m for m in mods if m.startswith(("tellkit.server", "tellkit.bench", "tellkit.cli"))], f
+
+
+def test_faces_of_a_large_photo_are_detected_on_a_bounded_copy():
+    """Inference bounds face detection at FACE_DETECT_MAX_SIDE: a larger photo is searched on a
+    shrunk copy (boxes mapped back, crops cut from the full image); a photo no larger gives the
+    very same result as before, and training / the feature cache detect on the image as given."""
+    import numpy as np
+
+    from tellkit.encoders.faces import FaceEncoder
+    from tellkit.encoders.preprocess import load_image
+
+    assert P.FACE_DETECT_MAX_SIDE == 1600 and EncoderBundle().face_max_side is None
+    enc = FaceEncoder()
+    seen = []
+    detect = enc.detector.detect
+    enc.detector.detect = lambda im: seen.append(im.size) or detect(im)
+    photo = load_image(DEMO / "astronaut.jpg")  # 384 x 384, Eileen Collins' face
+    plain, bounded = enc.detect_and_embed(photo), enc.detect_and_embed(photo, max_side=1600)
+    assert all(torch.equal(plain[k], bounded[k]) for k in plain) and seen == [(384, 384)] * 2
+    big = photo.resize((1152, 1152), Image.BILINEAR)  # 3x; searched at 576 px (a smaller bound keeps this fast)
+    seen.clear()
+    out = enc.detect_and_embed(big, max_side=576)
+    assert seen == [(576, 576)] and out["boxes"].shape == (1, 4)
+    np.testing.assert_allclose(out["boxes"][0].numpy() / 3, plain["boxes"][0].numpy(), atol=4)
+    assert float(out["embeddings"][0] @ plain["embeddings"][0]) > 0.8  # the same face, cut from the full image
+
+    class Faces:
+        def detect_and_embed(self, pil, max_side=None):
+            seen.append(max_side)
+            return {"embeddings": torch.zeros(0, 512), "boxes": torch.zeros(0, 4), "probs": torch.zeros(0)}
+
+    class Bundle(FakeBundle):
+        face_encoder = property(lambda self: Faces())
+
+    seen.clear()
+    Bundle(None, ("image", "faces"), face_max_side=P.FACE_DETECT_MAX_SIDE).encode([P.article_input("", big)])
+    assert seen == [1600]

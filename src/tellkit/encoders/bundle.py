@@ -101,8 +101,12 @@ class EncoderBundle:
                  contexts: Sequence[str] = ("image", "article", "faces"), *, max_article_tokens: int = 512,
                  context_mode: str = "location_aware", context_policy: str = "reference",
                  device: str | torch.device = "cpu",
-                 object_dim: int = OBJECT_DIM, shared_encoders: dict | None = None, memo: dict | None = None):
+                 object_dim: int = OBJECT_DIM, shared_encoders: dict | None = None, memo: dict | None = None,
+                 face_max_side: int | None = None):
         self.config = EncodersConfig.from_recipe(config)
+        # faces are detected on a copy no longer than this (None: the image as given, as in
+        # training and the feature cache); the crops still come from the full image
+        self.face_max_side = None if face_max_side is None else int(face_max_side)
         self.object_dim = int(object_dim)  # the size of the precomputed object vectors the model reads
         # ``shared_encoders``: a dict, shared by several bundles, that keeps the built encoders
         # (keyed by what decides them); ``memo``: one that also keeps every image / article
@@ -283,7 +287,8 @@ class EncoderBundle:
         limit = self.config.max_faces
         if inp.faces is not None:  # e.g. NYTimes800k's FaceNet embeddings of its largest faces
             return {"faces": _as_set(inp.faces, FACE_DIM, limit, "faces"), "face_boxes": None, "face_probs": None}
-        det = self.face_encoder.detect_and_embed(pil)
+        det = (self.face_encoder.detect_and_embed(pil, max_side=self.face_max_side) if self.face_max_side
+               else self.face_encoder.detect_and_embed(pil))
         return {"faces": torch.as_tensor(det["embeddings"], dtype=torch.float32)[:limit].cpu(),
                 "face_boxes": torch.as_tensor(det["boxes"], dtype=torch.float32).reshape(-1, 4)[:limit].cpu(),
                 "face_probs": torch.as_tensor(det["probs"], dtype=torch.float32).reshape(-1)[:limit].cpu()}

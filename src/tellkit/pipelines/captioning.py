@@ -16,7 +16,10 @@ original image the grid covers), ``faces`` (detected boxes), ``article_text`` (t
 model read), ``article_tokens`` (text and character span of every article token) and, for models
 that read objects, ``objects`` (how many, and where they came from: no object detector ships, so
 for a new image the set is empty and the result says so). ``info`` says which model it runs,
-from which checkpoint, and whether it was trained.
+from which checkpoint, and whether it was trained. Faces of a photo longer than
+:data:`FACE_DETECT_MAX_SIDE` (1600 px) are searched on a shrunk copy, so the detector's memory
+stays bounded; the boxes are given in the photo's own pixels and the crops are cut from it (models
+without faces, such as the packaged default, are not affected).
 """
 from __future__ import annotations
 
@@ -35,6 +38,9 @@ from tellkit.pipelines.base import checkpoint_info, finite_or_none
 # the captioning families a checkpoint may hold (same batches and ``generate`` API)
 CAPTION_FAMILIES = ("transform_and_tell", "show_tell", "show_attend_tell", "lstm_captioner")
 NO_OBJECT_DETECTOR = "no object detector ships offline: the objects context of a new image is empty"
+# faces of a larger photo are detected on a copy this long (the server's upload side limit);
+# the image encoder and the face crops still read the image as given
+FACE_DETECT_MAX_SIDE = 1600
 
 # encoders built once per process and shared by every pipeline that names the same ones
 _SHARED: dict = {}
@@ -71,7 +77,8 @@ def _bundle(encoders: EncodersConfig, model_config, data, device) -> EncoderBund
     """The bundle of a checkpoint: its encoders, and its ``data`` section's article context."""
     return EncoderBundle(encoders, tuple(model_config.contexts), max_article_tokens=data.max_article_tokens,
                          context_mode=data.context, context_policy=data.context_policy, device=device,
-                         object_dim=getattr(model_config, "object_dim", OBJECT_DIM), shared_encoders=_SHARED)
+                         object_dim=getattr(model_config, "object_dim", OBJECT_DIM), shared_encoders=_SHARED,
+                         face_max_side=FACE_DETECT_MAX_SIDE)
 
 
 class CaptioningPipeline:

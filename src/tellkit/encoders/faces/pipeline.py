@@ -65,16 +65,27 @@ class FaceEncoder(nn.Module):
         return self.facenet(standardize(x, self.standardization)).cpu()
 
     @torch.no_grad()
-    def detect_and_embed(self, image: Image.Image) -> dict:
+    def detect_and_embed(self, image: Image.Image, max_side: int | None = None) -> dict:
+        """``max_side``: detect on a copy shrunk so its longer side is at most this (MTCNN's
+        memory and time grow with the pixels); boxes and landmarks are mapped back, and the
+        crops are still cut from ``image``. None, or an image no larger: detect on ``image``."""
         image = to_rgb(image)
-        det = self.detector.detect(image)
-        areas = (det.boxes[:, 2] - det.boxes[:, 0]) * (det.boxes[:, 3] - det.boxes[:, 1])
+        small, sx, sy = image, 1.0, 1.0
+        if max_side and max(image.size) > max_side:
+            f = max_side / max(image.size)
+            small = image.resize((max(1, round(image.width * f)), max(1, round(image.height * f))), Image.BILINEAR)
+            sx, sy = image.width / small.width, image.height / small.height
+        det = self.detector.detect(small)
+        del small
+        scale = np.array([sx, sy, sx, sy], np.float32)
+        boxes_all, marks_all = det.boxes * scale, det.landmarks * scale[:2]
+        areas = (boxes_all[:, 2] - boxes_all[:, 0]) * (boxes_all[:, 3] - boxes_all[:, 1])
         order = np.argsort(-areas, kind="stable")[: self.max_faces]
-        boxes = det.boxes[order]
+        boxes = boxes_all[order]
         crops = np.stack([crop_face(image, b, margin=self.margin) for b in boxes]) if len(boxes) else np.zeros((0,))
         return {
             "boxes": torch.from_numpy(boxes.reshape(-1, 4)),
             "probs": torch.from_numpy(det.probs[order]),
-            "landmarks": torch.from_numpy(det.landmarks[order].reshape(-1, 5, 2)),
+            "landmarks": torch.from_numpy(marks_all[order].reshape(-1, 5, 2)),
             "embeddings": self.embed_crops(crops),
         }

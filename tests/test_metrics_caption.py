@@ -132,7 +132,8 @@ def test_errors_are_clear():
 
 
 def test_linguistic_by_hand():
-    assert [syllables(w) for w in ["the", "cat", "table", "beautiful", "make", "people", "free", "whale", "Obama"]] == [1, 1, 2, 3, 1, 2, 1, 1, 3]
+    words = ["the", "cat", "table", "beautiful", "make", "people", "free", "whale", "Obama"]
+    assert [syllables(w) for w in words] == [1, 1, 2, 3, 1, 2, 1, 1, 3]
     # "The cat sat on the mat." 6 words, 1 sentence, 6 syllables
     assert flesch_reading_ease("The cat sat on the mat.") == pytest.approx(206.835 - 1.015 * 6 - 84.6 * 1.0)
     # "A table. A beautiful whale." 5 words, 2 sentences, 1+2+1+3+1 = 8 syllables
@@ -159,7 +160,8 @@ class _Doc(list):
 class FakeNLP:
     """Entities and proper nouns given by hand: words in CAPS-initial are PROPN; ENTS lists spans."""
 
-    ENTS = {"Obama": "PERSON", "Barack Obama": "PERSON", "Chicago": "GPE", "Monday": "DATE", "Paris": "GPE", "Google": "ORG"}
+    ENTS = {"Obama": "PERSON", "Barack Obama": "PERSON", "Chicago": "GPE", "Monday": "DATE", "Paris": "GPE",
+            "Google": "ORG"}
 
     def pipe(self, texts):
         for t in texts:
@@ -176,7 +178,8 @@ class FakeNLP:
 def test_entity_precision_recall_by_hand():
     pred = {"1": "Barack Obama in Paris on Monday", "2": "Google office in Chicago", "3": "Zorblat and a dog"}
     ref = {"1": "Barack Obama in Chicago on Monday", "2": "Obama visits Google in Chicago", "3": "Zorblat the dog"}
-    got = entity_scores(pred, ref, nlp=FakeNLP(), train_words={"Barack", "Obama", "Paris", "Chicago", "Monday", "Google"})
+    known = {"Barack", "Obama", "Paris", "Chicago", "Monday", "Google"}
+    got = entity_scores(pred, ref, nlp=FakeNLP(), train_words=known)
     # generated entities: {BO, Paris, Monday}, {Google, Chicago}, {} -> 5; reference: {BO, Chicago, Monday},
     # {Obama, Google, Chicago}, {} -> 6; matches: BO, Monday, Google, Chicago -> 4
     assert got["entities_precision"] == pytest.approx(80.0) and got["entities_recall"] == pytest.approx(400 / 6)
@@ -187,7 +190,8 @@ def test_entity_precision_recall_by_hand():
     got = entity_scores(pred, ref, nlp=FakeNLP(), train_words={"Zorblat"})  # now Barack, Paris, ... are rare
     # generated rare {Barack, Obama, Paris, Monday}, {Google, Chicago}, {}; reference {Barack, Obama,
     # Chicago, Monday}, {Obama, Google, Chicago}, {}: 3 + 2 matches of 6 generated, 7 in references
-    assert got["rare_proper_nouns_precision"] == pytest.approx(500 / 6) and got["rare_proper_nouns_recall"] == pytest.approx(500 / 7)
+    assert got["rare_proper_nouns_precision"] == pytest.approx(500 / 6)
+    assert got["rare_proper_nouns_recall"] == pytest.approx(500 / 7)
 
 
 def test_entities_with_the_spacy_model():
@@ -230,6 +234,20 @@ def test_rare_proper_nouns_use_training_caption_proper_nouns_only():
                         train_words=vocab)
     # rare generated [Zed, Zed] both in the reference list -> 2/2; rare reference [Zed, Quux] -> 1/2
     assert got["rare_proper_nouns_precision"] == 100.0 and got["rare_proper_nouns_recall"] == 50.0
+
+
+def test_training_proper_nouns_are_tagged_by_the_tagger_alone():
+    """The training-caption pass switches off parser / NER / lemmatiser; the PROPN tokens are the
+    ones the full pipeline finds."""
+    pytest.importorskip("spacy")
+    from tellkit.metrics.ner import analyse, load_nlp, train_proper_nouns
+
+    caps = ["Mayor Jane Doe cuts the ribbon in Albany on Monday.", "Serena Williams at Wimbledon in London.",
+            "A protester outside the Capitol in Washington, D.C.", "the bridge at dusk"]
+    nlp = load_nlp("auto")
+    full = {w for _, props in analyse(caps, nlp) for w in props}
+    assert train_proper_nouns(caps, nlp=nlp) == full and {"Jane", "Albany", "Wimbledon"} <= full
+    assert "ner" in nlp.pipe_names  # switched off only for that pass
 
 
 def test_ner_model_is_the_best_installed_and_named():

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from tellkit.errors import TellkitError
 from tellkit.utils.optional import require
@@ -136,7 +136,8 @@ def _meteor(gts, res):
     try:
         return scorer.compute_score(gts, res)
     except (ValueError, BrokenPipeError) as exc:
-        err = scorer.meteor_p.stderr.read().decode(errors="replace")[-500:] if scorer.meteor_p.poll() is not None else ""
+        exited = scorer.meteor_p.poll() is not None
+        err = scorer.meteor_p.stderr.read().decode(errors="replace")[-500:] if exited else ""
         raise TellkitError(f"METEOR failed ({exc}) {err}".strip()) from exc
     finally:
         del scorer  # closes the Java process

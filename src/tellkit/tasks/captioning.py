@@ -10,7 +10,11 @@ Recipe sections read here, each a dataclass that refuses unknown keys (see ``con
                context_policy: reference | cut, max_article_tokens: 512, max_caption_tokens: 510,
                features: DIR (cache; optional), limit, options, files}
     eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (tellkit.generation),
-               metrics: [bleu, meteor, rouge, cider], ner: true, ner_model, monitor: loss, batch_size}
+               metrics: [bleu, meteor, rouge, cider], ner: true, ner_model: auto, monitor: loss, batch_size}
+
+Entity metrics name the spaCy pipeline that ran in ``task.eval_info`` (``tellkit evaluate`` writes
+it into ``metrics_<split>.json`` beside the numbers); rare proper nouns are judged against the
+PROPN tokens of the training captions (:func:`tellkit.metrics.ner.train_proper_nouns`).
 
 The data location comes from the recipe (``data.root``) or ``--data``; there is no default.
 Encoders are frozen and every input goes through one :class:`~tellkit.encoders.bundle.EncoderBundle`.

@@ -103,3 +103,33 @@ def test_packaged_default_model(capsys):
     assert main(["recognize", str(SAMPLE_PATH), "--json"]) == 0  # no --model: the packaged one
     res = json.loads(capsys.readouterr().out)
     assert res["latex"] == SAMPLE_LATEX
+
+
+def _png_header_only(path, width, height):
+    """A tiny PNG file that declares a huge image (a decompression bomb's header)."""
+    import struct
+    import zlib
+
+    def chunk(kind, data):
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+
+
+def test_recognize_refuses_a_decompression_bomb_and_a_folder(tmp_path, capsys):
+    bomb = tmp_path / "bomb.png"
+    _png_header_only(bomb, 30000, 30000)
+    assert main(["recognize", str(bomb)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pixels" in err[0]
+    assert main(["recognize", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "folder" in err[0]
+
+
+def test_recognize_reads_the_packaged_inkml_sample(capsys):
+    from tellkit.pipelines.recognition import SAMPLE_INKML, SAMPLE_LATEX
+
+    assert main(["recognize", str(SAMPLE_INKML)]) == 0
+    assert capsys.readouterr().out.strip() == SAMPLE_LATEX

@@ -284,3 +284,19 @@ def test_converted_weights_round_trip_through_tellkit(reference_ckpt, tmp_path):
     m = BTTR.from_pretrained(out)
     assert isinstance(m.config, BTTRConfig)
     assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in _RefBTTR().parameters())
+
+
+def test_checkpoints_from_tellkit_0_1_still_load(tmp_path):
+    """A BTTR config.json written by tellkit 0.1 has no 'variant': it loads as the old layout."""
+    import shutil
+
+    from tellkit.checkpoint import load_model
+    from tellkit.pipelines.recognition import DEFAULT_CHECKPOINT
+
+    d = tmp_path / "old"
+    shutil.copytree(DEFAULT_CHECKPOINT, d)
+    meta = json.loads((d / "config.json").read_text())
+    meta["config"].pop("variant", None)
+    meta["tellkit_version"] = "0.1.0"
+    (d / "config.json").write_text(json.dumps(meta))
+    assert load_model(d).config.variant == "tellkit-0.1"

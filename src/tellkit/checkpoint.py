@@ -316,6 +316,9 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
     if expect is not None and not issubclass(entry.model_cls, expect):
         raise TellkitError(f"{d}: holds a '{meta['family']}' model, not {expect.__name__}")
     check_config_values(meta["config"], where)
+    upgrade = getattr(entry.config_cls, "upgrade_checkpoint_config", None)
+    if upgrade is not None:  # a family's configs written by older versions of tellkit
+        meta["config"] = upgrade(dict(meta["config"]), meta)
     cfg = from_dict(entry.config_cls, meta["config"], where)
     try:
         size = estimate_model_bytes(entry, cfg)

@@ -314,9 +314,20 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
 
 
 def size_batches(sizes: Sequence[tuple[int, int]], batch_size: int, max_batch_pixels: int,
-                 shuffle: bool = False, seed: int = 0) -> list[list[int]]:
-    """Sort by image size and fill batches while ``n * maxH * maxW <= max_batch_pixels``."""
-    order = sorted(range(len(sizes)), key=lambda i: (sizes[i][0] * sizes[i][1], sizes[i]))
+                 shuffle: bool = False, seed: int = 0, sort: str = "shape") -> list[list[int]]:
+    """Sort images and fill batches while ``n * maxH * maxW <= max_batch_pixels``.
+
+    ``sort="area"`` orders by pixel count, as the reference does; images of equal area but
+    different shapes (tall and narrow, flat and wide) then share a batch and are padded to the
+    larger of both sides. ``sort="shape"`` (the default) orders by height, then width, so a batch
+    holds images of one height and similar widths: far less padding for the same batches."""
+    if sort == "area":
+        key = lambda i: (sizes[i][0] * sizes[i][1], sizes[i])  # noqa: E731
+    elif sort == "shape":
+        key = lambda i: (sizes[i][0], sizes[i][1])  # noqa: E731
+    else:
+        raise TellkitError(f"unknown batch sort {sort!r} (shape|area)")
+    order = sorted(range(len(sizes)), key=key)
     batches: list[list[int]] = []
     cur: list[int] = []
     mh = mw = 0

@@ -64,6 +64,13 @@ class BTTRConfig:
     # written by tellkit 0.1 (kept so that they still load)
     variant: str = "reference"
 
+    @staticmethod
+    def upgrade_checkpoint_config(config: dict, meta: dict) -> dict:
+        """Checkpoints written by tellkit 0.1 have no ``variant``: they hold the old layout."""
+        if "variant" not in config and str(meta.get("tellkit_version", "")).startswith("0.1"):
+            config["variant"] = LEGACY
+        return config
+
     def __post_init__(self):
         if self.variant not in VARIANTS:
             from tellkit.errors import TellkitError

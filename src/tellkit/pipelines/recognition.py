@@ -64,17 +64,24 @@ class Recognizer:
         """A path (bitmap or ``.inkml``), a PIL image, or :class:`Strokes` -> float [1, H, W]."""
         from tellkit.data.crohme import load_image
 
-        if isinstance(item, Strokes):
-            return self.renderer.strokes_tensor(item)
         d = self.data
         kw = dict(crop=bool(d.crop), scale=float(d.scale) if d.layout != "inkml" else 1.0,
                   max_side=int(d.max_side), require_ink=True)
+        if isinstance(item, (str, Path)) and Path(item).suffix.lower() == ".inkml":
+            from tellkit.data.inkml import read_inkml
+
+            item = Strokes(read_inkml(item).strokes)
+        if isinstance(item, Strokes):
+            if d.layout == "inkml":  # the renderer of the model's training data
+                return self.renderer.strokes_tensor(item)
+            # a model trained on bitmaps: draw the strokes like those bitmaps (256 x 256 squares)
+            from tellkit.data.crohme import render_strokes as render_square
+
+            return load_image(image=render_square([[tuple(p[:2]) for p in s] for s in item]), **kw)
         if isinstance(item, (str, Path)):
             p = Path(item)
             if p.is_dir():
                 raise TellkitError(f"{p}: is a folder; pass image or InkML files")
-            if p.suffix.lower() == ".inkml":
-                return self.renderer.tensor(p)
             return load_image(p, max_pixels=MAX_INPUT_PIXELS, fit_pixels=self._fit_pixels(), **kw)
         return load_image(image=item, max_pixels=MAX_INPUT_PIXELS, fit_pixels=self._fit_pixels(), **kw)
 

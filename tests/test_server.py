@@ -127,6 +127,30 @@ def test_recognize_returns_latex(client):
     assert res["model"]["name"] == "bttr"
 
 
+def test_recognize_strokes_uses_the_inkml_renderer(client, backends, tmp_path):
+    """The drawing pad sends pen strokes; they are rendered like the InkML training data, so the
+    answer equals recognising an InkML file with the same strokes."""
+    import json
+
+    strokes = [[[10, 10], [30, 40]], [[30, 10], [10, 40]], [[35, 5], [40, 2], [44, 5], [35, 15], [45, 15]]]
+    r = client.post("/api/recognize", data={"strokes": json.dumps(strokes)})
+    assert r.status_code == 200, r.text
+    traces = "".join(f"<trace>{', '.join(f'{x} {y}' for x, y in s)}</trace>" for s in strokes)
+    f = tmp_path / "e.inkml"
+    f.write_text(f'<ink xmlns="http://www.w3.org/2003/InkML">{traces}</ink>')
+    want = backends[1].recognize([f])[0]
+    assert r.json()["tokens"] == want["tokens"] and r.json()["resized_from"] is None
+
+
+@pytest.mark.parametrize("strokes, with_image, code", [
+    ("not json", False, "bad_input"), ("[]", False, "bad_input"), ('[[[1, "a"]]]', False, "bad_input"),
+    ("[[[1, 2]]]", True, "invalid_request"), (None, False, "invalid_request")])
+def test_recognize_refuses_bad_strokes(client, strokes, with_image, code):
+    files = {"image": ("e.png", expression_png(), "image/png")} if with_image else None
+    data = {"strokes": strokes} if strokes is not None else None
+    _err(client.post("/api/recognize", data=data, files=files), 422, code)
+
+
 # --- bad inputs ---------------------------------------------------------------------------------
 def _err(r, status, code):
     assert r.status_code == status, r.text

@@ -457,10 +457,17 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     @app.post("/api/recognize", tags=["models"], summary="Recognise a handwritten math expression as LaTeX",
               responses=errors(400, 413, 415, 422, 503, 504), response_model=RecognizeResponse)
     async def recognize(
-            image: UploadFile = File(..., description="dark ink on a light background, or the reverse")) -> dict:
+            image: UploadFile | None = File(None, description="dark ink on a light background, or the reverse"),
+            strokes: str | None = Form(None, description="pen strokes instead of an image: JSON "
+                                       "[[[x, y], ...], ...], y pointing down (the page's drawing pad)")) -> dict:
         t0 = time.perf_counter()
-        img, original = await read_image(image, limits.math_max_side)
-        res = await run_model("math", img, t0)
+        if (image is None) == (strokes is None):
+            raise RequestError(422, "invalid_request", "send exactly one of 'image' (a file) or 'strokes' (JSON)")
+        if strokes is not None:
+            item, original = parse_strokes(strokes), None
+        else:
+            item, original = await read_image(image, limits.math_max_side)
+        res = await run_model("math", item, t0)
         return {**res, "resized_from": original, "model": models["math"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
@@ -473,6 +480,40 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
 
     app.add_middleware(_RequestGuard, limits=limits, counters=counters)
     return app
+
+
+MAX_STROKES, MAX_POINTS = 2_000, 100_000
+
+
+def parse_strokes(text: str):
+    """The drawing pad's JSON strokes -> :class:`tellkit.pipelines.recognition.Strokes` (rendered by
+    the same renderer as the model's InkML training data), or a 422 with what is wrong."""
+    import json
+    import math
+
+    from tellkit.pipelines.recognition import Strokes
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise RequestError(422, "bad_input", "'strokes' is not valid JSON") from None
+    if not isinstance(data, list) or not data or len(data) > MAX_STROKES:
+        raise RequestError(422, "bad_input", f"'strokes' must be a list of 1 to {MAX_STROKES} strokes")
+    out, n = [], 0
+    for s in data:
+        if not isinstance(s, list) or not s:
+            raise RequestError(422, "bad_input", "each stroke must be a non-empty list of [x, y] points")
+        pts = []
+        for p in s:
+            if (not isinstance(p, list) or len(p) < 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                                 and math.isfinite(v) for v in p[:2])):
+                raise RequestError(422, "bad_input", "each point must be [x, y] with finite numbers")
+            pts.append((float(p[0]), float(p[1])))
+        n += len(pts)
+        if n > MAX_POINTS:
+            raise RequestError(413, "too_many_points", f"more than {MAX_POINTS} points in 'strokes'")
+        out.append(pts)
+    return Strokes(out)
 
 
 def _version() -> str:

@@ -261,6 +261,7 @@ function clearPad() {
   pctx.fillStyle = "#fff";
   pctx.fillRect(0, 0, pad.width, pad.height);
   state.inked = false;
+  state.strokes = [];  // what is sent: the pen's points, rendered on the server like InkML
 }
 clearPad();
 let drawing = false;
@@ -278,24 +279,27 @@ pad.addEventListener("pointerdown", (e) => {
   pctx.lineWidth = 5; pctx.lineCap = "round"; pctx.lineJoin = "round"; pctx.strokeStyle = "#000";
   pctx.stroke();
   state.inked = true;
+  state.strokes.push([[x, y]]);
 });
 pad.addEventListener("pointermove", (e) => {
   if (!drawing) return;
   const [x, y] = padPoint(e);
   pctx.lineTo(x, y);
   pctx.stroke();
+  state.strokes[state.strokes.length - 1].push([x, y]);
 });
 ["pointerup", "pointercancel"].forEach((ev) => pad.addEventListener(ev, () => { drawing = false; }));
 $("pad-clear").addEventListener("click", clearPad);
 $("pad-recognize").addEventListener("click", () => {
   if (!state.inked) { showError("Draw an expression first."); return; }
-  pad.toBlob((blob) => recognize(new File([blob], "drawing.png", { type: "image/png" })), "image/png");
+  recognize(null, state.strokes);
 });
 
-async function recognize(file) {
+async function recognize(file, strokes) {
   clearError();
   const form = new FormData();
-  form.append("image", file, file.name);
+  if (strokes) form.append("strokes", JSON.stringify(strokes));
+  else form.append("image", file, file.name);
   $("math-busy").hidden = false;
   try {
     const res = await postForm("/api/recognize", form);

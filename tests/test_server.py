@@ -312,7 +312,7 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
 def test_request_cannot_choose_a_checkpoint(client):
     schemas = client.get("/openapi.json").json()["components"]["schemas"]
     bodies = {k: set(v.get("properties", {})) for k, v in schemas.items() if k.startswith("Body_")}
-    assert len(bodies) == 2 and set().union(*bodies.values()) == {"image", "article"}, bodies
+    assert len(bodies) == 2 and set().union(*bodies.values()) == {"image", "article", "strokes"}, bodies
 
 
 # --- the command line -------------------------------------------------------------------------------

@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from tellkit.cli import main
-from tellkit.data.inkml import (InkMLError, InkRenderer, RenderConfig, parse_inkml, read_inkml, render_strokes,
-                                scan_folder)
+from tellkit.data.inkml import (
+    InkMLError,
+    InkRenderer,
+    RenderConfig,
+    parse_inkml,
+    read_inkml,
+    render_strokes,
+    scan_folder,
+)
 
 NS = "http://www.w3.org/2003/InkML"
 
@@ -224,3 +231,24 @@ def test_real_inkml_renders_like_an_offline_bitmap(shared_data):
     sizes = [render_strokes(read_inkml(f).strokes).size for f in files]
     hs = sorted(h for _, h in sizes)
     assert 40 <= hs[len(hs) // 2] <= 250  # a typical expression is about 100 px high
+
+
+@pytest.mark.data
+def test_training_throughput_bench_runs_on_inkml(shared_data, monkeypatch):
+    from tellkit.bench.bttr_train import bench_train
+
+    monkeypatch.setenv("TELLKIT_SHARED_DATA", str(shared_data))
+    res = bench_train(recipe="bttr/tiny", n_expressions=12, steps=1, warmup=0)
+    assert set(res["variants"]) == {"reference", "area_sorted", "shape_sorted", "shape_sorted_cap_640k"}
+    for v in res["variants"].values():
+        assert v["images_per_s"] > 0 and v["padding_waste"] >= 0
+    assert res["speedup_images_per_s"]["reference"] == 1.0
+
+
+def test_training_throughput_bench_needs_the_data(monkeypatch):
+    from tellkit.bench.bttr_train import bench_train
+    from tellkit.errors import TellkitError
+
+    monkeypatch.delenv("TELLKIT_SHARED_DATA", raising=False)
+    with pytest.raises(TellkitError, match="TELLKIT_SHARED_DATA"):
+        bench_train(recipe="bttr/tiny")

@@ -3,6 +3,7 @@ one generation config, and the import layering (no cycles, the CLI never imports
 from __future__ import annotations
 
 import ast
+import io
 import json
 from pathlib import Path
 
@@ -142,6 +143,24 @@ def test_a_model_that_reads_objects_says_the_set_is_empty():
         assert "no object detector" in r["objects"]["note"] and r["tokens"]
         assert all(t["attention"]["objects"] == [] for t in r["tokens"])
     assert "no object detector" in cap.info["objects"]
+
+
+def test_the_api_and_page_say_the_objects_set_is_empty():
+    from fastapi.testclient import TestClient
+
+    from tellkit.server.app import create_app
+
+    model = tiny(["image", "objects"], object_dim=2048)
+    cap = P.CaptioningPipeline(model, FakeBundle(None, ("image", "objects")))
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), "blue").save(buf, "PNG")
+    with TestClient(create_app(cap, None)) as c:
+        r = c.post("/api/caption", files={"image": ("a.png", buf.getvalue(), "image/png")})
+    assert r.status_code == 200, r.text
+    assert r.json()["objects"]["count"] == 0 and "no object detector" in r.json()["objects"]["note"]
+    from tellkit.server.app import STATIC_DIR
+
+    assert "res.objects.count === 0" in (STATIC_DIR / "app.js").read_text()  # the page shows the note
 
 
 def test_the_bundle_must_give_the_model_contexts():

@@ -419,6 +419,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         faces: list[Face]
         article_text: str
         article_tokens: list[ArticleToken]
+        objects: dict[str, Any] | None = None  # models that read objects: count, source, note
         model: dict[str, Any]
         elapsed_ms: float
 

@@ -136,7 +136,12 @@ async function showCaption(res, file) {
   if (!res.tokens.length) cap.textContent = "(the model produced an empty caption)";
 
   renderArticle(res);
-  $("model-line").textContent = `model: ${describeModel(res.model)}; ${res.elapsed_ms} ms`;
+  let line = `model: ${describeModel(res.model)}; ${res.elapsed_ms} ms`;
+  if (res.objects && res.objects.count === 0) {
+    // no object detector ships offline: a new photo's objects context is empty
+    line += `; objects: none (${res.objects.note || "no object detector available"})`;
+  }
+  $("model-line").textContent = line;
   focusToken(res.tokens.length ? 0 : -1);
 }
 

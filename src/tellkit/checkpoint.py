@@ -138,7 +138,7 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
     d.mkdir(parents=True, exist_ok=True)
     meta = {
         "format_version": FORMAT_VERSION,
-        "family": getattr(model, "family"),
+        "family": model.family,
         "config": to_dict(model.config),
     }
     meta["tellkit_version"] = __version__

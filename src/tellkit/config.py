@@ -15,8 +15,9 @@ import copy
 import dataclasses
 import os
 import typing
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from tellkit.config import from_dict, load_yaml, resolve_config_path
 from tellkit.errors import TellkitError

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import platform
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def machine() -> dict[str, Any]:

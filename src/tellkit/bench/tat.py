@@ -17,11 +17,15 @@ def fake_batch(cfg, batch_size: int, caption_len: int = 0, n_image: int = 49, n_
                n_faces: int = 4, n_objects: int = 64, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     B = batch_size
-    sizes = {"image": (n_image, cfg.image_dim), "faces": (n_faces, cfg.face_dim), "objects": (n_objects, cfg.object_dim)}
+    sizes = {"image": (n_image, cfg.image_dim), "faces": (n_faces, cfg.face_dim),
+             "objects": (n_objects, cfg.object_dim)}
     batch: dict[str, torch.Tensor] = {}
     for name in cfg.contexts:
         if name == "article":
-            shape = (B, cfg.article_layers, n_article, cfg.article_dim) if cfg.article_layers > 1 else (B, n_article, cfg.article_dim)
+            if cfg.article_layers > 1:
+                shape = (B, cfg.article_layers, n_article, cfg.article_dim)
+            else:
+                shape = (B, n_article, cfg.article_dim)
             batch["article"] = torch.randn(*shape, generator=g)
             batch["article_mask"] = torch.ones(B, n_article, dtype=torch.bool)
             batch["article_ids"] = torch.randint(3, cfg.vocab_size, (B, n_article), generator=g)

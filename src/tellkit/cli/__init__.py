@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # key=value overrides may also follow the options: `evaluate CK --data D data.test=2016`
-        if isinstance(getattr(args, "overrides", None), list) and all("=" in e and not e.startswith("-") for e in extra):
+        all_overrides = all("=" in e and not e.startswith("-") for e in extra)
+        if isinstance(getattr(args, "overrides", None), list) and all_overrides:
             args.overrides = args.overrides + extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -13,11 +13,10 @@ def add_arguments(p) -> None:
 
 
 def _suites() -> dict[str, str]:
+    import importlib
     import pkgutil
 
     import tellkit.bench as pkg
-
-    import importlib
 
     # a suite is a module of tellkit.bench with a run() function
     names = [m.name for m in pkgutil.iter_modules(pkg.__path__)]
@@ -27,7 +26,6 @@ def _suites() -> dict[str, str]:
 def run(args) -> int:
     import importlib
     import inspect
-    import json
     import time
     from pathlib import Path
 

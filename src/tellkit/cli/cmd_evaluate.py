@@ -25,11 +25,13 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("checkpoint", help="checkpoint folder, or a run folder (its best checkpoint is used)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides of the stored recipe (right after CHECKPOINT)")
+    p.add_argument("overrides", nargs="*",
+                   help="section.key=value overrides of the stored recipe (right after CHECKPOINT)")
     p.add_argument("--data", help="data location (sets data.root of the stored recipe)")
     p.add_argument("--split", default="test", help="train, val or test (default: test)")
     p.add_argument("--out", help="output folder (default: <run>/eval, or <checkpoint>/eval)")
-    p.add_argument("--batch-size", type=_positive_int, default=None, help="default: eval.batch_size or train.batch_size")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help="default: eval.batch_size or train.batch_size")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true")
 
@@ -74,12 +76,17 @@ def run(args) -> int:
             raise TellkitError(f"split '{args.split}' is empty")
         bs = args.batch_size or recipe["eval"].get("batch_size") or recipe["train"].get("batch_size") or 16
         metrics, preds = run_eval(task, model, dataset, args.split, info, batch_size=int(bs),
-                                  num_workers=int(recipe["train"].get("num_workers") or 0), progress=not args.no_progress)
+                                  num_workers=int(recipe["train"].get("num_workers") or 0),
+                                  progress=not args.no_progress)
         if info.is_main:
-            out = Path(args.out) if args.out else (ckpt.parent.parent / "eval" if ckpt.parent.name == "checkpoints" else ckpt / "eval")
+            if args.out:
+                out = Path(args.out)
+            else:  # a run's checkpoints/<name> evaluates into <run>/eval, a lone checkpoint into <checkpoint>/eval
+                out = ckpt.parent.parent / "eval" if ckpt.parent.name == "checkpoints" else ckpt / "eval"
             info_out = {"checkpoint": str(ckpt), "task": recipe["task"], **getattr(task, "eval_info", {})}
             summary, per_example = write_eval_outputs(out, args.split, metrics, preds, info_out)
-            print(json.dumps({"split": args.split, "n": len(preds), "metrics": metrics, "summary": str(summary), "predictions": str(per_example)}, indent=2))
+            print(json.dumps({"split": args.split, "n": len(preds), "metrics": metrics, "summary": str(summary),
+                              "predictions": str(per_example)}, indent=2))
     finally:
         distributed.teardown(info)
     return 0

@@ -6,10 +6,12 @@ HELP = "recognise handwritten math expression images and print their LaTeX (BTTR
 
 
 def add_arguments(p) -> None:
-    p.add_argument("images", nargs="+", help="image files (PNG/JPEG/BMP; dark ink on a light background or the reverse)")
+    p.add_argument("images", nargs="+",
+                   help="image files (PNG/JPEG/BMP; dark ink on a light background or the reverse)")
     p.add_argument("--model", help="BTTR checkpoint or run folder (default: the packaged model)")
     p.add_argument("--json", action="store_true", help="one JSON object per image: image, latex, tokens, score")
-    p.add_argument("--beam-size", type=int, default=None, help="beam size per direction (default: the checkpoint's, 10)")
+    p.add_argument("--beam-size", type=int, default=None,
+                   help="beam size per direction (default: the checkpoint's, 10)")
     p.add_argument("--max-len", type=int, default=None, help="maximum output tokens (default 200)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -26,7 +28,8 @@ def run(args) -> int:
     if args.max_len is not None and args.max_len < 1:
         raise TellkitError("--max-len must be >= 1")
     rec = Recognizer.load(args.model, device=args.device)
-    results = rec.recognize(args.images, batch_size=max(1, args.batch_size), beam_size=args.beam_size, max_len=args.max_len)
+    results = rec.recognize(args.images, batch_size=max(1, args.batch_size), beam_size=args.beam_size,
+                            max_len=args.max_len)
     for path, r in zip(args.images, results):
         if args.json:
             print(json.dumps({"image": path, **r}, ensure_ascii=False))

@@ -35,7 +35,8 @@ def _minutes(text: str) -> float:
 
 def add_arguments(p) -> None:
     p.add_argument("config", help="YAML recipe (path, or name under configs/ such as tat/small)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides, right after CONFIG (values parsed as YAML)")
+    p.add_argument("overrides", nargs="*",
+                   help="section.key=value overrides, right after CONFIG (values parsed as YAML)")
     p.add_argument("--out", help="run folder (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")

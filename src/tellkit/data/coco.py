@@ -49,7 +49,8 @@ def load_coco(path: str | os.PathLike, split: str | None = None, *, image_root: 
             if ann["image_id"] not in files or not str(ann.get("caption", "")).strip():
                 continue
             fn = files[ann["image_id"]]
-            out.append(CaptionSample(id=str(ann["id"]), caption=ann["caption"].strip(), image_path=str(root / fn) if fn else None,
+            out.append(CaptionSample(id=str(ann["id"]), caption=ann["caption"].strip(),
+                                     image_path=str(root / fn) if fn else None,
                                      image_id=str(ann["image_id"]), split=split, source="coco"))
     else:  # Karpathy
         for im in data["images"]:
@@ -63,7 +64,8 @@ def load_coco(path: str | os.PathLike, split: str | None = None, *, image_root: 
                 text = (sent.get("raw") or " ".join(sent.get("tokens", []))).strip()
                 if text:
                     sid = str(sent.get("sentid", f"{iid}#{k}"))
-                    out.append(CaptionSample(id=sid, caption=text, image_path=str(root / rel), image_id=iid, split=s, source="coco"))
+                    out.append(CaptionSample(id=sid, caption=text, image_path=str(root / rel), image_id=iid,
+                                             split=s, source="coco"))
     if not out:
         raise TellkitError(f"{path}: no captions for split {split!r}")
     if context == "other_captions":

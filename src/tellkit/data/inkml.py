@@ -27,9 +27,9 @@ import os
 import re
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -331,6 +331,6 @@ class InkRenderer:
     def strokes_tensor(self, strokes: Iterable):
         return image_to_tensor(render_strokes(strokes, self.config))
 
-    def __call__(self, expr) -> "object":
+    def __call__(self, expr) -> object:
         """A :class:`tellkit.data.crohme.Expression` whose ``image`` is an InkML file."""
         return self.tensor(expr.image)

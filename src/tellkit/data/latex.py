@@ -19,8 +19,8 @@ The parser is our own: a small recursive descent over groups and argument-taking
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from tellkit.errors import TellkitError
 

@@ -22,7 +22,8 @@ import io
 import os
 import struct
 import zlib
-from typing import Any, BinaryIO, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any, BinaryIO
 
 from tellkit.errors import TellkitError
 

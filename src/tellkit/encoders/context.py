@@ -37,8 +37,9 @@ own caption removed.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 DEFAULT_MAX_TOKENS = 510  # 512 minus <s> and </s>
 SEPARATOR = "\n"

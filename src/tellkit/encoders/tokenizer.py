@@ -35,8 +35,8 @@ import functools
 import json
 import os
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from tellkit.encoders import weights as W
 from tellkit.errors import TellkitError
@@ -155,7 +155,7 @@ class CaptionTokenizer:
 
     # --- construction ----------------------------------------------------------------------
     @classmethod
-    def load(cls, name_or_path: str | os.PathLike | None = None) -> "CaptionTokenizer":
+    def load(cls, name_or_path: str | os.PathLike | None = None) -> CaptionTokenizer:
         """None: the offline rebuild. Otherwise a real tokenizer through ``transformers``
         (a hub name such as ``roberta-large``, or a local folder with vocab.json + merges.txt)."""
         if name_or_path is None:
@@ -180,7 +180,8 @@ class CaptionTokenizer:
             return d
         vocab, merges, _ = rebuild_roberta_vocab()
         (d / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-        (d / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n", encoding="utf-8")
+        merges_text = "#version: 0.2\n" + "\n".join(" ".join(m) for m in merges) + "\n"
+        (d / "merges.txt").write_text(merges_text, encoding="utf-8")
         (d / "config.json").write_text(json.dumps({"model_type": "roberta"}), encoding="utf-8")
         (d / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "RobertaTokenizer", "model_max_length": 512, "add_prefix_space": False,

@@ -91,7 +91,8 @@ class AdaptiveSoftmax(nn.Module):
         for i, (lo, hi) in enumerate(self.bands[1:], start=1):
             tdim = int(dim // (factor**i))
             if tied_to is not None and tied_to.band_dim(i) != tdim:
-                raise ValueError(f"tail {i} dim {tdim} != adaptive input band dim {tied_to.band_dim(i)} (use one factor)")
+                raise ValueError(f"tail {i} dim {tdim} != adaptive input band dim {tied_to.band_dim(i)} "
+                                 "(use one factor)")
             if not self.tie_proj:
                 p = nn.Linear(dim, tdim, bias=False)
                 nn.init.xavier_uniform_(p.weight)

@@ -34,7 +34,7 @@ class ProjectedKV:
     key_padding_mask: torch.Tensor | None  # [B, S'] True = ignore
     num_real: int  # S: keys that came from the input (the rest are bias / zero slots)
 
-    def index_select(self, index: torch.Tensor) -> "ProjectedKV":
+    def index_select(self, index: torch.Tensor) -> ProjectedKV:
         m = self.key_padding_mask.index_select(0, index) if self.key_padding_mask is not None else None
         return ProjectedKV(self.k.index_select(0, index), self.v.index_select(0, index), m, self.num_real)
 

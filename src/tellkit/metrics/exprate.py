@@ -2,7 +2,7 @@
 expressions within 1 and 2 token edits (Levenshtein distance over tokens), as BTTR reports."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def edit_distance(a: Sequence[str], b: Sequence[str]) -> int:

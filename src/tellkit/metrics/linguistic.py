@@ -10,7 +10,7 @@ ratio and Flesch reading ease, each computed per caption and averaged over the s
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from tellkit.metrics.caption import normalize
 

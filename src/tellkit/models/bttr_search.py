@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from tellkit.models.bttr import EOS, PAD, SOS
+
 NEG = float("-inf")
 
 

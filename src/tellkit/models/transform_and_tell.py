@@ -199,7 +199,7 @@ class Contexts:
     layer_kvs: list[dict[str, ProjectedKV]] = field(default_factory=list)
     copy_kv: ProjectedKV | None = None
 
-    def index_select(self, index: torch.Tensor) -> "Contexts":
+    def index_select(self, index: torch.Tensor) -> Contexts:
         return Contexts(
             {k: (f.index_select(0, index), m.index_select(0, index)) for k, (f, m) in self.feats.items()},
             None if self.article_ids is None else self.article_ids.index_select(0, index),
@@ -234,10 +234,12 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         for name in cfg.contexts:
             x = batch.get(name)
             if x is None:
-                raise TellkitError(f"batch has no '{name}' context, which this model uses (contexts: {list(cfg.contexts)})")
+                raise TellkitError(f"batch has no '{name}' context, which this model uses "
+                                   f"(contexts: {list(cfg.contexts)})")
             if name == "article" and self.article_mix is not None:
                 if x.dim() != 4 or x.size(1) != cfg.article_layers:
-                    raise TellkitError(f"article must be [B, {cfg.article_layers} layers, L, {cfg.article_dim}], got {tuple(x.shape)}")
+                    raise TellkitError(f"article must be [B, {cfg.article_layers} layers, L, {cfg.article_dim}], "
+                                       f"got {tuple(x.shape)}")
                 x = self.article_mix(x, layer_dim=1)
             elif name == "article" and x.dim() == 4:
                 x = x[:, -1]

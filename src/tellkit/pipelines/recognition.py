@@ -12,8 +12,9 @@ hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tellkit.errors import TellkitError
 from tellkit.pipelines.base import checkpoint_info, finite_or_none
@@ -49,7 +50,7 @@ class Recognizer:
         self.renderer = make_renderer(type(d)(**{**d.__dict__, "cache": None}))
 
     @classmethod
-    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu") -> "Recognizer":
+    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu") -> Recognizer:
         from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
         from tellkit.models.bttr import BTTR
 
@@ -135,7 +136,7 @@ class BTTRMathRecognizer:
         self.info = {"name": "bttr", "parameters": sum(p.numel() for p in recognizer.model.parameters()), **info}
 
     @classmethod
-    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu", **kw) -> "BTTRMathRecognizer":
+    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu", **kw) -> BTTRMathRecognizer:
         from tellkit.checkpoint import read_checkpoint_config
 
         rec = Recognizer.load(checkpoint, device=device)
@@ -143,7 +144,7 @@ class BTTRMathRecognizer:
         return cls(rec, checkpoint_info("bttr", rec.checkpoint, meta), **kw)
 
     @classmethod
-    def untrained(cls, seed: int = 0, device: str = "cpu") -> "BTTRMathRecognizer":
+    def untrained(cls, seed: int = 0, device: str = "cpu") -> BTTRMathRecognizer:
         import torch
 
         from tellkit.registry import create_model

@@ -27,7 +27,7 @@ The model is validated (and selected, and its lr reduced on plateau) on ExpRate.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 

@@ -21,7 +21,7 @@ lr * sqrt(1 - b2) / (1 - b1) less), the weight decay enters the update before th
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.optim import Optimizer

@@ -7,8 +7,9 @@ One difference from "bert_adam": ``torch.optim.AdamW`` applies Adam's bias corre
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tellkit.config import from_dict
 from tellkit.errors import TellkitError

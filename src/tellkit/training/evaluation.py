@@ -40,7 +40,8 @@ def autocast(device: torch.device, amp_dtype: str | None):
     return contextlib.nullcontext()
 
 
-def plain_batches(task: Task, dataset: Dataset, split: str, batch_size: int, *, shuffle: bool, seed: int, epoch: int) -> list[list[int]]:
+def plain_batches(task: Task, dataset: Dataset, split: str, batch_size: int, *, shuffle: bool, seed: int,
+                  epoch: int) -> list[list[int]]:
     """The task's batches (e.g. length buckets) or fixed-size ones, as lists of indices."""
     custom = task.batch_sampler(dataset, split, shuffle=shuffle, seed=seed, epoch=epoch)
     if custom is not None:
@@ -54,7 +55,8 @@ def plain_batches(task: Task, dataset: Dataset, split: str, batch_size: int, *, 
     return [order[i : i + batch_size] for i in range(0, n, batch_size)]
 
 
-def make_loader(task: Task, dataset: Dataset, batches: list[list[int]], num_workers: int, seed: int, pin: bool) -> DataLoader:
+def make_loader(task: Task, dataset: Dataset, batches: list[list[int]], num_workers: int, seed: int,
+                pin: bool) -> DataLoader:
     # an explicit generator: creating the iterator must not consume the global RNG (exact resume)
     return DataLoader(
         dataset,
@@ -127,7 +129,8 @@ def run_eval(
     return metrics, predictions
 
 
-def write_eval_outputs(out_dir: str | Path, split: str, metrics: dict[str, Any], predictions: list[dict[str, Any]], info: dict[str, Any] | None = None) -> tuple[Path, Path]:
+def write_eval_outputs(out_dir: str | Path, split: str, metrics: dict[str, Any], predictions: list[dict[str, Any]],
+                       info: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """``metrics_<split>.json`` (summary) and ``predictions_<split>.jsonl`` (one line per example)."""
     from tellkit.checkpoint import atomic_write_bytes, atomic_write_json
 

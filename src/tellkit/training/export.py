@@ -11,7 +11,8 @@ from typing import Any
 RESERVED = ("format_version", "family", "config", "tellkit_version")
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True, note: dict[str, Any] | None = None) -> Path:
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True,
+                      note: dict[str, Any] | None = None) -> Path:
     from tellkit.checkpoint import load_model, read_checkpoint_config
 
     meta = read_checkpoint_config(checkpoint)

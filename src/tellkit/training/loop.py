@@ -29,11 +29,12 @@ import math
 import os
 import signal
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
+from dataclasses import asdict, dataclass, fields
 from itertools import islice
 from pathlib import Path
-from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
@@ -99,7 +100,10 @@ class LRSchedule:
     def on_eval(self, value: float) -> None:
         if self.cfg.scheduler != "plateau":
             return
-        better = self.plateau_best is None or (value < self.plateau_best if self.mode == "min" else value > self.plateau_best)
+        if self.plateau_best is None:
+            better = True
+        else:
+            better = value < self.plateau_best if self.mode == "min" else value > self.plateau_best
         if better:
             self.plateau_best, self.plateau_bad = value, 0
         else:
@@ -112,7 +116,9 @@ class LRSchedule:
         return {"plateau_scale": self.plateau_scale, "plateau_best": self.plateau_best, "plateau_bad": self.plateau_bad}
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        self.plateau_scale, self.plateau_best, self.plateau_bad = d["plateau_scale"], d["plateau_best"], d["plateau_bad"]
+        self.plateau_scale = d["plateau_scale"]
+        self.plateau_best = d["plateau_best"]
+        self.plateau_bad = d["plateau_bad"]
 
 
 def epoch_batches(task: Task, dataset, cfg: TrainConfig, epoch: int, world: int) -> list[list[int]]:

@@ -39,7 +39,7 @@ from tellkit.checkpoint import PretrainedMixin
 from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
 from tellkit.layers.layer_mix import LayerMix
-from tellkit.models.baselines.common import attention_lists, context_set, masked_softmax, shift, search
+from tellkit.models.baselines.common import attention_lists, context_set, masked_softmax, search, shift
 from tellkit.registry import register_model
 
 CONTEXTS = ("image", "article", "faces", "objects")
@@ -104,7 +104,8 @@ class LSTMCaptioner(nn.Module, PretrainedMixin):
         self.cells = nn.ModuleList(nn.LSTMCell((cfg.embed_dim + H) if i == 0 else H, H) for i in range(cfg.num_layers))
         self.h0 = nn.Parameter(torch.zeros(cfg.num_layers, H))
         self.c0 = nn.Parameter(torch.zeros(cfg.num_layers, H))
-        self.article_mix = LayerMix(cfg.article_layers) if "article" in cfg.contexts and cfg.article_layers > 1 else None
+        mix_layers = "article" in cfg.contexts and cfg.article_layers > 1
+        self.article_mix = LayerMix(cfg.article_layers) if mix_layers else None
         self.attn = nn.ModuleDict({name: ContextAttention(H, cfg.context_dim(name)) for name in cfg.contexts})
         self.attn_proj = nn.Linear(len(cfg.contexts) * H, H)
         self.out_proj = nn.Linear(H, cfg.embed_dim, bias=False) if H != cfg.embed_dim else None

@@ -29,8 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.models.baselines.common import (VocabOutput, attention_lists, context_set, masked_mean, masked_softmax,
-                                             search, shift, token_loss)
+from tellkit.models.baselines.common import (
+    VocabOutput,
+    attention_lists,
+    context_set,
+    masked_mean,
+    masked_softmax,
+    search,
+    shift,
+    token_loss,
+)
 from tellkit.registry import register_model
 
 
@@ -57,7 +65,8 @@ class ShowAttendTellConfig:
         self.adaptive_cutoffs = tuple(self.adaptive_cutoffs)
         self.contexts = tuple(self.contexts)
         if self.contexts != ("image",):
-            raise ValueError(f"Show, Attend and Tell reads the image only: contexts must be [image], got {list(self.contexts)}")
+            raise ValueError("Show, Attend and Tell reads the image only: contexts must be [image], "
+                             f"got {list(self.contexts)}")
 
 
 @register_model("show_attend_tell", ShowAttendTellConfig)

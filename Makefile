@@ -37,7 +37,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # pytest's exit status 5 (nothing collected) is non-zero, so make fails on it like on a failure.
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q
 
 # dist/tellkit-*.whl with everything the package reads at run time (recipes, default models, the
@@ -46,6 +46,8 @@ wheel: $(KATEX_DIR)/katex.min.js | $(BIN)/python
 	rm -rf build/lib build/bdist.* dist
 	$(BIN)/pip wheel --quiet --no-deps --no-build-isolation -w dist .
 
+# the benchmarks that time real data read it from $TELLKIT_SHARED_DATA (default: ../shared/data)
+bench: export TELLKIT_SHARED_DATA ?= $(abspath ../shared/data)
 bench: setup
 	$(BIN)/tellkit bench --out bench/results
 

@@ -1,8 +1,8 @@
 """`tellkit bench` plumbing (not timings: speed targets live in the benchmark JSON only)."""
-import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import tellkit
@@ -27,3 +27,20 @@ def test_bench_cli_rejects_unknown_suite(tmp_path):
     res = subprocess.run([sys.executable, "-m", "tellkit", "bench", "no_such_suite", "--out", str(tmp_path)],
                          capture_output=True, text=True)
     assert res.returncode == 2 and "unknown benchmark suite" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_bttr_bench_images_come_from_tellkit_shared_data(tmp_path, monkeypatch):
+    from tellkit.bench.bttr import SAMPLE_PATH, _default_images
+    from tellkit.errors import TellkitError
+
+    monkeypatch.delenv("TELLKIT_SHARED_DATA", raising=False)
+    assert _default_images(3) == [SAMPLE_PATH] * 3
+    d = tmp_path / "crohme" / "test" / "2014"
+    d.mkdir(parents=True)
+    for name in ("b.png", "a.png", "c.png", "notes.txt"):
+        (d / name).write_bytes(b"")
+    monkeypatch.setenv("TELLKIT_SHARED_DATA", str(tmp_path))
+    assert [p.name for p in _default_images(2)] == ["a.png", "b.png"]
+    monkeypatch.setenv("TELLKIT_SHARED_DATA", str(tmp_path / "elsewhere"))
+    with pytest.raises(TellkitError, match="no PNG images"):
+        _default_images(2)

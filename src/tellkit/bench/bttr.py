@@ -8,16 +8,19 @@ from hand-made pen strokes by :func:`draw_sample`, so it can be redistributed wi
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
+from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import ASSETS, SAMPLE_LATEX, SAMPLE_PATH  # noqa: F401 - re-exported
 
 
 def _wobble(points, amp=0.6, seed=0.0):
     """A slight deterministic tremor, so the strokes look hand-drawn rather than ruled."""
-    return [(x + amp * math.sin(1.7 * i + seed), y + amp * math.cos(1.3 * i + 2 * seed)) for i, (x, y) in enumerate(points)]
+    return [(x + amp * math.sin(1.7 * i + seed), y + amp * math.cos(1.3 * i + 2 * seed))
+            for i, (x, y) in enumerate(points)]
 
 
 def _line(a, b, n=12, bow=0.0):
@@ -62,7 +65,8 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
     """Images/s of the joint search: batched + cached against one-by-one + uncached.
 
     ``checkpoint``: default model of ``tellkit recognize``; ``images``: default the first
-    ``n_images`` of the shared CROHME 2014 test set, else the packaged sample repeated."""
+    ``n_images`` of the CROHME 2014 test set under ``$TELLKIT_SHARED_DATA``, else the packaged
+    sample repeated."""
     import torch
 
     from tellkit.tasks.recognition import Recognizer
@@ -106,11 +110,17 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
 
 
 def _default_images(n: int) -> list[Path]:
-    for root in (Path(__file__).resolve().parents[3].parent / "shared" / "data", Path("/work/shared/data")):
-        d = root / "crohme" / "test" / "2014"
-        if d.is_dir():
-            return sorted(d.glob("*.png"))[:n]
-    return [SAMPLE_PATH] * n
+    """The first ``n`` of ``$TELLKIT_SHARED_DATA/crohme/test/2014/*.png``; the packaged sample
+    repeated when the variable is unset."""
+    env = os.environ.get("TELLKIT_SHARED_DATA", "").strip()
+    if not env:
+        return [SAMPLE_PATH] * n
+    d = Path(env).expanduser() / "crohme" / "test" / "2014"
+    files = sorted(d.glob("*.png"))
+    if not files:
+        raise TellkitError(f"bench bttr: no PNG images in {d} (TELLKIT_SHARED_DATA is set; unset it to time "
+                           "the packaged sample)")
+    return files[:n]
 
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:

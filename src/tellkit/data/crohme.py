@@ -1,9 +1,9 @@
 """CROHME handwritten-expression data: two on-disk layouts, image loading, size-bucketed batches.
 
 Layouts
-* ``tsv`` (the shared data, ``../shared/data/crohme``): ``<image root>/<key>.png`` and a TSV
-  ``<key>\\t<raw LaTeX>`` (CSV quoting: a few labels are quoted and span lines). Raw LaTeX is
-  normalised with :func:`tellkit.data.latex.normalize`.
+* ``tsv`` (the rendered CROHME sets, a ``crohme/`` folder of the data root):
+  ``<image root>/<key>.png`` and a TSV ``<key>\\t<raw LaTeX>`` (CSV quoting: a few labels are
+  quoted and span lines). Raw LaTeX is normalised with :func:`tellkit.data.latex.normalize`.
 * ``caption`` (the BTTR / WAP release): a folder with ``caption.txt`` (``<id>\\t<tokens>``,
   already tokenized) and the images ``<id>.{bmp,png,jpg}`` in the folder or in ``img/``.
 * ``inkml`` (the official CROHME release): ``train/<source>/*.inkml`` and
@@ -24,9 +24,9 @@ from __future__ import annotations
 import csv
 import os
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -302,13 +302,13 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
         img[i, :, : hs[i], : ws[i]] = s["image"]
         mask[i, : hs[i], : ws[i]] = True
     labels = [[t for t in s["labels"] if t >= 0] for s in samples]
-    T = max([len(l) for l in labels] + [1])
+    T = max([len(seq) for seq in labels] + [1])
     lab = torch.full((b, T), pad_id, dtype=torch.long)
-    for i, l in enumerate(labels):
-        lab[i, : len(l)] = torch.tensor(l, dtype=torch.long)
+    for i, seq in enumerate(labels):
+        lab[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
     return {
         "image": img, "image_mask": mask, "labels": lab,
-        "label_lengths": torch.tensor([len(l) for l in labels], dtype=torch.long),
+        "label_lengths": torch.tensor([len(seq) for seq in labels], dtype=torch.long),
         "ids": [s["id"] for s in samples], "tokens": [s["tokens"] for s in samples],
     }
 

@@ -3,8 +3,6 @@ Show-Attend-and-Tell, the LSTM captioner of Transform and Tell's ablation rows, 
 seq2seq, and the static word vectors."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -92,7 +90,7 @@ def test_beam_search_finds_at_least_the_greedy_log_prob(key):
     b = make_batch()
     g = m.generate(b, max_len=6)
     k = m.generate(b, max_len=6, beam_size=4, length_penalty=0.0, n_best=2)
-    for gs, gt, ks, kt in zip(g["scores"], g["tokens"], k["scores"], k["tokens"]):
+    for gs, gt, ks in zip(g["scores"], g["tokens"], k["scores"]):
         assert ks >= gs * (len(gt) + 1) - 1e-4  # length_penalty 0: raw sum of log-probs
     assert all(len(n) == 2 for n in k["n_best"])
 
@@ -335,5 +333,7 @@ def test_captioning_task_reads_the_contexts_of_the_model_family():
 
     assert CaptioningTask({"task": "captioning", "model": {"name": "show_tell"}}).contexts == ("image",)
     assert CaptioningTask({"task": "captioning", "model": {"name": "lstm_captioner"}}).contexts == ("image", "article")
-    assert CaptioningTask({"task": "captioning", "model": {"name": "transform_and_tell"}}).contexts == ("image", "article", "faces")
-    assert CaptioningTask({"task": "captioning", "model": {"name": "transform_and_tell", "contexts": ["article"]}}).contexts == ("article",)
+    tat = {"task": "captioning", "model": {"name": "transform_and_tell"}}
+    assert CaptioningTask(tat).contexts == ("image", "article", "faces")
+    tat_article = {"task": "captioning", "model": {"name": "transform_and_tell", "contexts": ["article"]}}
+    assert CaptioningTask(tat_article).contexts == ("article",)

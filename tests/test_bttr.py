@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tellkit.data.crohme import collate
-from tellkit.models.bttr_search import joint_search
 from tellkit.models.bttr import BTTR, EOS, PAD, SOS, BTTRConfig, bidirectional_targets
+from tellkit.models.bttr_search import joint_search
 from tellkit.registry import create_model
 
 TINY = dict(growth_rate=4, block_depth=2, stem_channels=8, d_model=32, nhead=4, num_decoder_layers=2,
@@ -51,7 +51,8 @@ def fitted():
 
 def batch_of(images, labels=None):
     labels = labels or [[5, 6, 7]] * len(images)
-    return collate([{"image": x, "labels": l, "id": str(i), "tokens": []} for i, (x, l) in enumerate(zip(images, labels))])
+    return collate([{"image": x, "labels": lab, "id": str(i), "tokens": []}
+                    for i, (x, lab) in enumerate(zip(images, labels))])
 
 
 def images(seed=1):

@@ -40,15 +40,16 @@ def test_sample_is_drawn_by_our_code():
 def test_train_evaluate_recognize_cli(tmp_path, capsys):
     _dataset(tmp_path / "data")
     run = tmp_path / "run"
-    over = [f"data.root={tmp_path / 'data'}", "data.layout=tsv", "data.train=train", "data.val=train", "data.test=train",
-            "data.limit={}", "data.scale=0.5", "train.max_steps=2", "eval.beam_size=2", "eval.max_len=6"]
+    over = [f"data.root={tmp_path / 'data'}", "data.layout=tsv", "data.train=train", "data.val=train",
+            "data.test=train", "data.limit={}", "data.scale=0.5", "train.max_steps=2", "eval.beam_size=2",
+            "eval.max_len=6"]
     assert main(["train", "configs/bttr/tiny.yaml", *over, "--out", str(run), "--device", "cpu", "--no-progress"]) == 0
     capsys.readouterr()
     assert main(["evaluate", str(run), "--split", "test", "--device", "cpu", "--no-progress",
                  "--out", str(tmp_path / "ev")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n"] == 8 and set(out["metrics"]) >= {"exprate", "exprate_le1", "exprate_le2"}
-    rows = [json.loads(l) for l in (tmp_path / "ev" / "predictions_test.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "ev" / "predictions_test.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {"id", "prediction", "reference", "distance", "correct"} <= set(rows[0])
     assert sum(r["correct"] for r in rows) / 8 * 100 == pytest.approx(out["metrics"]["exprate"])
 
@@ -61,7 +62,8 @@ def test_train_evaluate_recognize_cli(tmp_path, capsys):
     from tellkit.tasks.recognition import export_checkpoint
 
     export_checkpoint(run / "checkpoints" / "best", tmp_path / "small")
-    assert main(["recognize", img, "--model", str(tmp_path / "small"), "--json", "--beam-size", "2", "--max-len", "6"]) == 0
+    assert main(["recognize", img, "--model", str(tmp_path / "small"), "--json",
+                 "--beam-size", "2", "--max-len", "6"]) == 0
     res16 = json.loads(capsys.readouterr().out)
     assert res16["tokens"] == res["tokens"] and abs(res16["score"] - res["score"]) < 0.05
 
@@ -114,7 +116,8 @@ def _png_header_only(path, width, height):
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b""))
+    idat = chunk(b"IDAT", zlib.compress(b"\0" * 64))
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + idat + chunk(b"IEND", b""))
 
 
 def test_recognize_refuses_a_decompression_bomb_and_a_folder(tmp_path, capsys):

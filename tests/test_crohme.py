@@ -1,10 +1,16 @@
 """CROHME loaders (shared TSV layout and WAP/BTTR caption layout), images, batching."""
 import pytest
-import torch
 from PIL import Image, ImageDraw
 
-from tellkit.data.crohme import (CrohmeDataset, collate, load_caption_dir, load_image, load_split,
-                                 read_tsv_labels, size_batches)
+from tellkit.data.crohme import (
+    CrohmeDataset,
+    collate,
+    load_caption_dir,
+    load_image,
+    load_split,
+    read_tsv_labels,
+    size_batches,
+)
 from tellkit.errors import TellkitError
 
 

@@ -137,7 +137,7 @@ def _torchvision_resnet_layout(blocks):
                 layout.update({f"{p}.downsample.1.{k}": (4 * w,) for k in bn})
             cin = 4 * w
     layout["fc.weight"], layout["fc.bias"] = (1000, 2048), (1000,)
-    for k, v in layout.items():
+    for k in layout:
         if k.endswith("num_batches_tracked"):
             layout[k] = ()
     return layout

@@ -82,7 +82,7 @@ def test_wordpiece_tokens_map_to_cased_bpe_caption_ids(minilm, cap):
     assert pairs["tokyo"] == cap.encode(" Tokyo")[0] and pairs["2009"] == cap.encode(" 2009")[0]
     assert pairs["[CLS]"] == -1 and pairs["[SEP]"] == -1
     # every mapped id is the caption piece starting at the same character of the original text
-    for (s, e), i in zip(out["offsets"][0], ids[0].tolist()):
+    for (s, _end), i in zip(out["offsets"][0], ids[0].tolist()):
         if i >= 0:
             assert ARTICLE[s:].startswith(cap.decode([i]).lstrip())
     # computed from the tokenizer alone (no model run) it is the same
@@ -123,7 +123,9 @@ def test_reading_order_alternates_around_the_image():
 
 
 def test_location_aware_context_with_known_image_position():
-    count = lambda text: len(text.split())  # one token per word: easy budgets
+    def count(text):  # one token per word: easy budgets
+        return len(text.split())
+
     paras = _article()
     # title (2) + 5 paragraphs of 10 = 52 words: title, p0, then p5 p6 p4 p7 around the image
     ctx = build_context("The Title", paras, image_index=6, count_tokens=count, max_tokens=52, policy="cut")

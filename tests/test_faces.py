@@ -80,7 +80,7 @@ def test_keeps_the_four_largest_faces_largest_first(enc):
     assert widths == sorted(widths, reverse=True)
     # the four kept are the pastes of size 170, 130, 110, 90 (left edges in paste order)
     lefts = [5 + sum(s + 10 for s in sizes[:i]) for i in range(len(sizes))]
-    kept = sorted(int(np.argmin([abs(b[0] - l) for l in lefts])) for b in out["boxes"].tolist())
+    kept = sorted(int(np.argmin([abs(b[0] - left) for left in lefts])) for b in out["boxes"].tolist())
     assert [sizes[i] for i in kept] == [170, 90, 130, 110]
 
 

@@ -65,7 +65,8 @@ def test_min_len_respected():
     table[:, EOS] = 10.0  # EOS is by far the most likely token
     out = greedy_search(MarkovDecoder(table, 2), 2, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len=10, min_len=4)
     assert all(len(h.tokens) == 3 for h in out)
-    hyps = beam_search(MarkovDecoder(table, 6), 2, beam_size=3, bos_id=BOS, eos_id=EOS, pad_id=PAD, max_len=10, min_len=4)
+    hyps = beam_search(MarkovDecoder(table, 6), 2, beam_size=3, bos_id=BOS, eos_id=EOS, pad_id=PAD,
+                       max_len=10, min_len=4)
     assert all(len(h[0].tokens) == 3 for h in hyps)
 
 

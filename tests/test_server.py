@@ -167,7 +167,8 @@ def test_bad_files(client, endpoint):
     _err(client.post(endpoint, files={"image": ("a.png", png()[:200], "image/png")}), 400, "corrupt_image")
     tiff = io.BytesIO()
     Image.new("RGB", (32, 32), "white").save(tiff, "TIFF")
-    _err(client.post(endpoint, files={"image": ("a.tif", tiff.getvalue(), "image/tiff")}), 415, "unsupported_image_format")
+    _err(client.post(endpoint, files={"image": ("a.tif", tiff.getvalue(), "image/tiff")}), 415,
+         "unsupported_image_format")
     _err(client.post(endpoint, files={"image": ("a.png", png(4, 4), "image/png")}), 422, "image_too_small")
     _err(client.post(endpoint, data={"article": "no image"}), 422, "invalid_request")
 
@@ -268,7 +269,8 @@ def test_timeout_is_504_and_queue_full_is_503():
         s, b = post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")})
         assert (s, b["error"]) == (504, "timeout")
         time.sleep(1.0)  # let the worker finish the abandoned item
-        res = _concurrently(lambda i: post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")}), 4)
+        res = _concurrently(
+            lambda i: post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")}), 4)
         codes = sorted(s for s, _ in res)
         assert 503 in codes and all(c in (503, 504) for c in codes), res
         assert any(b["error"] == "busy" for s, b in res if s == 503)
@@ -351,7 +353,8 @@ def test_cli_plan_checkpoints_defaults_and_untrained(tmp_path, monkeypatch):
         cmd_serve.plan(args())
     assert cmd_serve.plan(args("--models", "math")) == {"math": str(tmp_path / "math_default")}
     assert cmd_serve.plan(args("--untrained")) == {"caption": None, "math": None}
-    assert cmd_serve.plan(args("--untrained", "--checkpoint", f"math={tmp_path}")) == {"caption": None, "math": str(tmp_path)}
+    assert cmd_serve.plan(args("--untrained", "--checkpoint", f"math={tmp_path}")) == {"caption": None,
+                                                                                      "math": str(tmp_path)}
     assert cmd_serve.plan(args("--checkpoint", f"caption={tmp_path}")) == {"caption": str(tmp_path),
                                                                          "math": str(tmp_path / "math_default")}
 
@@ -360,7 +363,8 @@ def test_cli_serves_on_localhost_by_default():
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tellkit", "serve", "--untrained", "--models", "math",
-                             "--port", str(port)], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
+                             "--port", str(port)],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
     try:
         deadline = time.monotonic() + 60
         health = None
@@ -413,7 +417,8 @@ def test_large_images_are_shrunk_and_the_original_size_reported():
 def test_admitted_requests_are_bounded():
     app = create_app(None, SlowEcho(delay=0.5), Limits(max_inflight=2), max_batch=1, serve_page=False)
     with ServerThread(app) as srv:
-        res = _concurrently(lambda i: post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")}), 5)
+        res = _concurrently(
+            lambda i: post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")}), 5)
     codes = sorted(s for s, _ in res)
     assert codes.count(200) >= 2 and 503 in codes, codes
     assert all(b["error"] == "busy" for s, b in res if s == 503)

@@ -1,7 +1,6 @@
 """The generic training loop on a toy task: schedule, accumulation, logs, checkpoints, resume."""
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import sys
@@ -15,8 +14,11 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import toy_task  # noqa: E402  (registers the "toy" task and "toy_lm" model)
 
 from tellkit.errors import TellkitError  # noqa: E402
-from tellkit.training import TrainConfig, train  # noqa: E402
-from tellkit.training import checkpointing  # noqa: E402
+from tellkit.training import (  # noqa: E402
+    TrainConfig,
+    checkpointing,  # noqa: E402
+    train,
+)
 from tellkit.training.config import train_config  # noqa: E402
 from tellkit.training.loop import LRSchedule, epoch_batches  # noqa: E402
 
@@ -145,7 +147,8 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, monkeypatch):
         real(opt, directory)
 
     monkeypatch.setattr(checkpointing, "save_optimizer", flaky)
-    with pytest.raises(TellkitError, match=r"step 4 not saved \(OSError: disk full\); the last good state step_00000002"):
+    with pytest.raises(TellkitError,
+                       match=r"step 4 not saved \(OSError: disk full\); the last good state step_00000002"):
         run(r, tmp_path / "run", save_every_steps=2)
     ck = tmp_path / "run" / "checkpoints"
     assert (ck / "last").resolve().name == "step_00000002"
@@ -248,7 +251,7 @@ def test_export_half_precision_inference_checkpoint(tmp_path):
     assert meta["weights_dtype"] == "float16" and not (out / "optimizer.safetensors").exists()
     a, b = load_model(src), load_model(out)
     assert next(b.parameters()).dtype == torch.float32
-    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+    for x, y in zip(a.state_dict().values(), b.state_dict().values()):
         torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
     assert all(t.dtype == torch.float16 for t in load_file(str(out / "model.safetensors")).values())
 

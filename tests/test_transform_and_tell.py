@@ -64,7 +64,8 @@ def test_copy_head_trains_and_copies_only_from_input():
     torch.testing.assert_close(m.log_probs(b2), m.softmax.log_probs(h), atol=1e-5, rtol=0)
     # copying raises the probability of article tokens (those ids only)
     ids = b["article_ids"][0]
-    vocab_lp = m.softmax.log_probs(m.decode(b["caption"][:1, :-1], m.project_contexts(m.encode_contexts(select(b, 0))))[0])[0]
+    contexts = m.project_contexts(m.encode_contexts(select(b, 0)))
+    vocab_lp = m.softmax.log_probs(m.decode(b["caption"][:1, :-1], contexts)[0])[0]
     gain = lp[0] - vocab_lp
     in_article = torch.zeros(99, dtype=torch.bool)
     in_article[ids[ids >= 0]] = True
@@ -88,7 +89,7 @@ def test_padding_changes_nothing():
     # pad sample 0's contexts with junk entries marked invalid and its caption with <pad>
     padded = {k: v.clone() for k, v in select(b, 0).items()}
     padded["caption"] = torch.cat([padded["caption"], torch.ones(1, 4, dtype=torch.long)], 1)
-    for name, dim in (("image", 1), ("faces", 1)):
+    for name in ("image", "faces"):
         junk = torch.randn(1, 3, padded[name].size(-1)) * 100
         padded[name] = torch.cat([padded[name], junk], 1)
         padded[f"{name}_mask"] = torch.cat([padded[f"{name}_mask"], torch.zeros(1, 3, dtype=torch.bool)], 1)
@@ -244,7 +245,8 @@ def test_config_validation():
 @pytest.mark.parametrize("config,expected", [("configs/tat/nytimes_faces.yaml", 171_068_441),
                                              ("configs/tat/nytimes_full.yaml", 200_461_337)])
 def test_model_info_matches_reference_parameter_counts(config, expected):
-    res = subprocess.run([sys.executable, "-m", "tellkit", "model-info", config], capture_output=True, text=True, check=True)
+    res = subprocess.run([sys.executable, "-m", "tellkit", "model-info", config],
+                         capture_output=True, text=True, check=True)
     info = json.loads(res.stdout)
     assert info["trainable_params"] == expected  # exactly what the reference code counts
     assert info["total_params"] >= info["trainable_params"]
@@ -254,5 +256,6 @@ def test_model_info_matches_reference_parameter_counts(config, expected):
 
 
 def test_model_info_bad_input_is_one_line():
-    res = subprocess.run([sys.executable, "-m", "tellkit", "model-info", "configs/tat/nope.yaml"], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-m", "tellkit", "model-info", "configs/tat/nope.yaml"],
+                         capture_output=True, text=True)
     assert res.returncode == 2 and "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1

@@ -6,7 +6,6 @@ A screenshot is saved to ``$TELLKIT_TEST_ARTIFACTS`` (default ``build/test-artif
 
 Skips with a reason when chromium or playwright is missing, except in CI (``CI=true``), where
 ``.ci/run`` installs chromium and ``make setup`` installs playwright, so a missing one fails."""
-import io
 import os
 import shutil
 from pathlib import Path
@@ -119,7 +118,8 @@ def test_caption_flow_shows_caption_heatmap_and_article_attention(page, tmp_path
     last.hover()
     page.wait_for_function("document.getElementById('focus').textContent.startsWith('word ' + "
                            f"{words.count()})")
-    lit = page.evaluate("Array.from(document.querySelectorAll('#article-view .tok')).filter(s => s.style.background).length")
+    lit = page.evaluate("Array.from(document.querySelectorAll('#article-view .tok'))"
+                        ".filter(s => s.style.background).length")
     assert lit >= 1
     assert page.is_hidden("#error")
     page.screenshot(path=str(artifact_dir() / "web_e2e_caption.png"), full_page=True)

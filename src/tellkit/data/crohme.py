@@ -9,7 +9,7 @@ Layouts
 * ``inkml`` (the official CROHME release): ``train/<source>/*.inkml`` and
   ``test/<YEAR>/*.inkml``; pen strokes are rendered by :mod:`tellkit.data.inkml` and the truth
   annotation is normalised like the TSV labels. Files without truth, malformed XML or without
-  traces are skipped and counted (:data:`LAST_SKIPPED`).
+  traces are skipped and counted (the ``skipped`` argument of :func:`load_split`).
 
 Images become float tensors ``[1, H, W]`` with ink = 1 and background = 0 (so zero padding is
 background). Optionally the ink's bounding box is cropped (the shared renders put every
@@ -104,13 +104,10 @@ def _find_image(d: Path, key: str) -> Path:
     raise TellkitError(f"{d}: no image for '{key}' (looked for {key}.png/.bmp/.jpg here and in img/)")
 
 
-# reason -> count for the files the last InkML split load skipped (shown by the CLI and the task)
-LAST_SKIPPED: dict[str, int] = {}
-
-
-def load_inkml_split(root: str | os.PathLike, split: str) -> list[Expression]:
+def load_inkml_split(root: str | os.PathLike, split: str, skipped: dict[str, int] | None = None) -> list[Expression]:
     """``train`` (every ``train/**.inkml``), a year under ``test/`` (``2014``), or any folder
-    under ``root`` holding InkML files. Unusable files are skipped and counted."""
+    under ``root`` holding InkML files. Unusable files are skipped; ``skipped`` (if given)
+    receives reason -> count."""
     from tellkit.data.inkml import scan_folder
 
     r = Path(root)
@@ -118,29 +115,30 @@ def load_inkml_split(root: str | os.PathLike, split: str) -> list[Expression]:
     if folder is None:
         raise TellkitError(f"{r}: no InkML split '{split}' (looked for {r / split} and {r / 'test' / split})")
     res = scan_folder(folder, require_truth=True)
-    skipped = dict(res.skipped)
+    counts = dict(res.skipped)
     exprs = []
     for e in res.expressions:
         try:
             toks = normalize(e.truth or "")
         except TellkitError:
-            skipped["unparsable truth"] = skipped.get("unparsable truth", 0) + 1
+            counts["unparsable truth"] = counts.get("unparsable truth", 0) + 1
             continue
         exprs.append(Expression(e.id, e.path, toks, e.truth or ""))
-    LAST_SKIPPED.clear()
-    LAST_SKIPPED.update(skipped)
+    if skipped is not None:
+        skipped.update(counts)
     if not exprs:
-        raise TellkitError(f"{folder}: no usable InkML files" + (f" (skipped: {skipped})" if skipped else ""))
+        raise TellkitError(f"{folder}: no usable InkML files" + (f" (skipped: {counts})" if counts else ""))
     return exprs
 
 
-def load_split(root: str | os.PathLike, split: str, layout: str = "tsv") -> list[Expression]:
+def load_split(root: str | os.PathLike, split: str, layout: str = "tsv",
+               skipped: dict[str, int] | None = None) -> list[Expression]:
     """A named split of the shared layout (``train``, ``2014``, ``gt_split/train``,
     ``gt_split/validation``, or any ``<file>.tsv`` under ``root``), a caption folder, or an
     InkML split (``layout="inkml"``)."""
     r = Path(root)
     if layout == "inkml":
-        return load_inkml_split(r, split)
+        return load_inkml_split(r, split, skipped)
     if layout == "caption":
         return load_caption_dir(r / split if (r / split).is_dir() else r)
     if layout != "tsv":

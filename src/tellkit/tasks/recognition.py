@@ -134,7 +134,6 @@ class RecognitionTask(Task):
 
     # --- data -------------------------------------------------------------------------------
     def build_dataset(self, split: str):
-        from tellkit.data import crohme
         from tellkit.data.crohme import CrohmeDataset, load_split
 
         if split not in ("train", "val", "test"):
@@ -144,15 +143,16 @@ class RecognitionTask(Task):
         if not name:
             raise TellkitError(f"data.{split} is not set")
         root = resolve_data_root(d.root)
-        exprs = load_split(root, str(name), d.layout)
-        if d.layout == "inkml" and crohme.LAST_SKIPPED:
-            self.skipped[split] = dict(crohme.LAST_SKIPPED)
+        skipped: dict[str, int] = {}
+        exprs = load_split(root, str(name), d.layout, skipped)
+        if skipped:
+            self.skipped[split] = skipped
             import os
             import sys
 
             if int(os.environ.get("RANK", "0")) == 0:
-                print(f"{split}: skipped {sum(crohme.LAST_SKIPPED.values())} InkML file(s): "
-                      + ", ".join(f"{k} {v}" for k, v in sorted(crohme.LAST_SKIPPED.items())), file=sys.stderr)
+                print(f"{split}: skipped {sum(skipped.values())} InkML file(s): "
+                      + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())), file=sys.stderr)
         limit = int(d.limit.get(split, 0) or 0)
         if limit and limit < len(exprs):
             exprs = random.Random(1234).sample(exprs, limit)

@@ -12,6 +12,7 @@ hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,7 @@ class Recognizer:
         self.checkpoint = checkpoint
         self.vocab = Vocab()
         # InkML and strokes: the training renderer (no disk cache for one-off inputs)
-        d = self.data
-        self.renderer = make_renderer(type(d)(**{**d.__dict__, "cache": None}))
+        self.renderer = make_renderer(dataclasses.replace(self.data, cache=None))
 
     @classmethod
     def load(cls, checkpoint: str | Path | None = None, device: str = "cpu") -> Recognizer:
@@ -117,8 +117,6 @@ class Recognizer:
 def _known(section: dict | None, which: str) -> dict:
     """Checkpoint sections from older versions may hold keys this version dropped: keep the
     ones the current dataclass knows (the recipe itself is still checked strictly)."""
-    import dataclasses
-
     from tellkit.tasks.recognition import RecognitionData, RecognitionEval
 
     cls = RecognitionData if which == "data" else RecognitionEval

@@ -20,6 +20,30 @@ from tellkit._version import __version__
 from tellkit.errors import TellkitError
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def read_text_file(path, what: str) -> str:
+    """A UTF-8 text file named by option ``what``, or a one-line :class:`TellkitError`."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.is_file():
+        raise TellkitError(f"{what}: file not found: {p}")
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TellkitError(f"{what}: {p} is not UTF-8 text") from exc
+
+
 def _commands():
     import tellkit.cli as pkg
 

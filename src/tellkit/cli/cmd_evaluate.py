@@ -7,20 +7,10 @@ overrides change anything else (e.g. ``eval.beam_size=4``). Writes ``metrics_<sp
 """
 from __future__ import annotations
 
+from tellkit.cli import positive_int
+
 NAME = "evaluate"
 HELP = "generate for a data split with a checkpoint and score it (JSON summary + per-example JSONL)"
-
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_arguments(p) -> None:
@@ -30,7 +20,7 @@ def add_arguments(p) -> None:
     p.add_argument("--data", help="data location (sets data.root of the stored recipe)")
     p.add_argument("--split", default="test", help="train, val or test (default: test)")
     p.add_argument("--out", help="output folder (default: <run>/eval, or <checkpoint>/eval)")
-    p.add_argument("--batch-size", type=_positive_int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="default: eval.batch_size or train.batch_size")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--no-progress", action="store_true")

@@ -29,18 +29,9 @@ def add_arguments(p) -> None:
 
 
 def _lines(path: str, what: str) -> list[str]:
-    from pathlib import Path
+    from tellkit.cli import read_text_file
 
-    from tellkit.errors import TellkitError
-
-    p = Path(path)
-    if not p.is_file():
-        raise TellkitError(f"{what}: file not found: {p}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise TellkitError(f"{what}: {p} is not UTF-8 text") from exc
-    lines = text.split("\n")
+    lines = read_text_file(path, what).split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return [ln.rstrip("\r") for ln in lines]

@@ -25,16 +25,12 @@ def run(args) -> int:
     import sys
     from pathlib import Path
 
+    from tellkit.cli import read_text_file
     from tellkit.errors import TellkitError
     from tellkit.pipelines.summarization import Summarizer
 
     tpath = Path(args.transcript)
-    if not tpath.is_file():
-        raise TellkitError(f"--transcript: file not found: {tpath}")
-    try:
-        transcript = tpath.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise TellkitError(f"--transcript: {tpath} is not UTF-8 text") from exc
+    transcript = read_text_file(tpath, "--transcript")
     if not transcript.split():
         raise TellkitError(f"--transcript: {tpath} is empty")
     if args.checkpoint is None and not Path(DEFAULT_RUN).exists():

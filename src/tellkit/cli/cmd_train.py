@@ -4,20 +4,10 @@ Multi-GPU / multi-process: ``torchrun --nproc_per_node N -m tellkit train CONFIG
 """
 from __future__ import annotations
 
+from tellkit.cli import positive_int
+
 NAME = "train"
 HELP = "train a model from a YAML recipe (key=value overrides, e.g. train.lr=3e-4 model.d_model=256)"
-
-
-def _positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number of steps, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def _minutes(text: str) -> float:
@@ -40,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", help="run folder (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--save-every-steps", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--save-every-steps", type=positive_int, default=None, metavar="N",
                    help="also checkpoint every N optimizer steps")
     p.add_argument("--save-every-minutes", type=_minutes, default=30.0, metavar="M",
                    help="also checkpoint every M minutes (default 30; 0 = only at evaluations)")

@@ -159,27 +159,22 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
     """Read an image (dark ink on a light background, or the reverse) -> float [1, H, W] with
     ink 1 and background 0, padded to a multiple of 16. ``image``: a PIL image instead of a path.
     ``max_pixels``: refuse larger files from their header, before decoding (decompression
-    bombs); ``fit_pixels``: after cropping and scaling, shrink to at most this many pixels."""
-    import warnings
-
-    from PIL import Image, UnidentifiedImageError
+    bombs; files go through :func:`tellkit.utils.images.open_image`, whose own default cap applies
+    when this is 0); ``fit_pixels``: after cropping and scaling, shrink to at most this many pixels."""
+    from PIL import Image
 
     if image is None:
+        from tellkit.utils.images import ImageError, open_image
+
         p = Path(path)
         if not p.is_file():
             raise TellkitError(f"image not found: {p}")
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(p) as im:
-                    if max_pixels and im.size[0] * im.size[1] > max_pixels:
-                        raise TellkitError(f"{p}: {im.size[0]}x{im.size[1]} pixels is more than the "
-                                           f"{max_pixels:,} accepted")
-                    image = im.convert("L")
-        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise TellkitError(f"{p}: refused, too many pixels ({exc})") from None
-        except (UnidentifiedImageError, OSError) as exc:
-            raise TellkitError(f"{p}: not a readable image ({exc})") from exc
+            image = open_image(p, max_pixels=max_pixels or None, mode="L")
+        except ImageError as exc:
+            if exc.reason == "too many pixels":
+                raise
+            raise TellkitError(f"{p}: not a readable image ({exc})") from None
     else:
         if max_pixels and image.size[0] * image.size[1] > max_pixels:
             raise TellkitError(f"image of {image.size[0]}x{image.size[1]} pixels is more than the "

@@ -58,6 +58,10 @@ def test_recipe_loads_and_builds_on_meta(path, monkeypatch):
         model = create_model(recipe)
     assert model.num_parameters() > 0
     assert type(model).family == recipe["model"]["name"]
+    # one breakdown shape for every family: disjoint parts that add up to the trainable count
+    parts = model.parameter_breakdown()
+    assert parts and all(isinstance(v, int) and v >= 0 for v in parts.values())
+    assert sum(parts.values()) == model.num_parameters(trainable_only=True)
 
 
 BL = ROOT / "configs" / "baselines" / "nytimes"

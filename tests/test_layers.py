@@ -286,3 +286,25 @@ def test_adaptive_softmax_reference_loss_drops_in_cluster_term_of_relative_pad()
     head = sm._head_logprobs(x)
     torch.testing.assert_close(ref[1], head[1, 10])  # only log p(cluster 1)
     torch.testing.assert_close(ref[2], head[2, 11])  # only log p(cluster 2)
+
+
+def test_logits_loss_is_mean_cross_entropy_over_real_targets():
+    import torch.nn.functional as F
+
+    from tellkit.layers.loss import logits_loss, token_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7, dtype=torch.float64)
+    targets = torch.randint(0, 7, (2, 5))
+    targets[0, 3:] = -100
+    out = logits_loss(logits, targets, ignore_index=-100)
+    want = F.cross_entropy(logits.reshape(-1, 7).float(), targets.reshape(-1), ignore_index=-100)
+    assert int(out["ntokens"]) == 8
+    assert torch.allclose(out["loss"], want, atol=1e-6)
+    assert torch.allclose(out["nll_bits"], want / math.log(2), atol=1e-6) and not out["nll_bits"].requires_grad
+    # the same through token_loss, plus a summed regulariser that does not enter nll_bits
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0][targets != -100]
+    reg = token_loss(lp, 8, extra=torch.tensor(4.0))
+    assert torch.allclose(reg["loss"], want + 0.5, atol=1e-6) and torch.allclose(reg["nll_bits"], out["nll_bits"])
+    empty = logits_loss(logits, torch.full((2, 5), -100), ignore_index=-100)
+    assert int(empty["ntokens"]) == 0 and float(empty["loss"]) == 0.0

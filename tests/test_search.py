@@ -114,3 +114,31 @@ def test_n_best_sorted():
     scores = [h.score for h in hyps[0]]
     assert len(scores) == 4 and scores == sorted(scores, reverse=True)
     assert len({tuple(h.tokens) for h in hyps[0]}) == 4
+
+
+# --- the shared incremental-state convention (tellkit.decoding.state) ---------------------------
+def test_reorder_state_reindexes_every_nesting_and_leaves_the_original():
+    from tellkit.decoding.state import reorder_state
+    from tellkit.layers.attention import ProjectedKV
+
+    rows = torch.arange(4.0)
+    kv = ProjectedKV(torch.arange(4.0).view(4, 1, 1, 1), torch.zeros(4, 1, 1, 1), torch.zeros(4, 1, dtype=torch.bool), 1)
+    state = [{"k": rows.clone(), "inner": [rows.clone(), (rows.clone(), 7)], "kv": kv, "n": 3, "none": None}]
+    idx = torch.tensor([2, 2, 0])
+    out = reorder_state(state, idx)
+    assert out[0]["k"].tolist() == [2.0, 2.0, 0.0]
+    assert out[0]["inner"][0].tolist() == [2.0, 2.0, 0.0] and out[0]["inner"][1][0].tolist() == [2.0, 2.0, 0.0]
+    assert out[0]["inner"][1][1] == 7 and out[0]["n"] == 3 and out[0]["none"] is None
+    assert out[0]["kv"].k.flatten().tolist() == [2.0, 2.0, 0.0]
+    assert state[0]["k"].tolist() == [0.0, 1.0, 2.0, 3.0]  # the caller's copy is untouched
+
+
+def test_row_context_copies_only_when_rows_change_input():
+    from tellkit.decoding.state import RowContext
+
+    value = torch.arange(6.0)  # rows 0-2 belong to input 0, rows 3-5 to input 1
+    ctx = RowContext(value, torch.tensor([0, 0, 0, 1, 1, 1]))
+    ctx.reorder(torch.tensor([2, 0, 0, 4, 3, 3]))  # beams re-ranked inside each input
+    assert ctx.value is value  # the same contents row by row: nothing copied
+    ctx.reorder(torch.tensor([3, 4, 5]))  # input 0 finished: its rows leave
+    assert ctx.owner.tolist() == [1, 1, 1] and ctx.value.tolist() == [3.0, 4.0, 5.0]

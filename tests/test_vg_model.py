@@ -197,9 +197,10 @@ def test_model_info_counts(monkeypatch):
     d = 2048
     assert vtf == 4 * (4 * (d * d + d) + (d * 2048 + 2048) + (2048 * d + d) + 4 * d) == 100_745_216
     assert info["breakdown"]["backbone"] == 139_420_416  # BART-base, 139.4M
-    assert info["breakdown"]["add_on"] == info["total_params"] - info["breakdown"]["backbone"]
+    added = info["trainable_params"] - info["breakdown"]["backbone"]
+    assert added == vtf + info["breakdown"]["encoder_fusion"] + info["breakdown"]["decoder_fusion"]
     base = _model_info("vg_gplm", "fusion=none")
-    assert base["breakdown"]["add_on"] == 0 and base["total_params"] == 139_420_416
+    assert base["breakdown"]["backbone"] == base["total_params"] == 139_420_416
 
 
 def _lin(i, o):

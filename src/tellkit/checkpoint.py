@@ -370,6 +370,32 @@ class PretrainedMixin:
     def num_parameters(self, trainable_only: bool = False) -> int:
         return count_parameters([self], trainable_only)  # type: ignore[list-item]
 
+    def parameter_parts(self) -> dict[str, Any]:
+        """Named parts for :meth:`parameter_breakdown`: name -> a module, a list of modules, or
+        None. The default is the model's direct submodules; families override it to group them."""
+        return dict(self.named_children())  # type: ignore[attr-defined]
+
+    def parameter_breakdown(self) -> dict[str, int]:
+        """Trainable parameters per part of :meth:`parameter_parts`, in one shape for every
+        model: the parts are disjoint (a tensor shared by two parts, such as a tied embedding,
+        counts in the first part that holds it) and sum to ``num_parameters(trainable_only=True)``;
+        trainable parameters no part holds are counted as ``"other"``."""
+        seen: set[int] = set()
+        out: dict[str, int] = {}
+        for name, part in self.parameter_parts().items():
+            modules = [] if part is None else [part] if isinstance(part, torch.nn.Module) else list(part)
+            n = 0
+            for m in modules:
+                for p in m.parameters():
+                    if p.requires_grad and id(p) not in seen:
+                        seen.add(id(p))
+                        n += p.numel()
+            out[name] = n
+        rest = sum(p.numel() for p in self.parameters() if p.requires_grad and id(p) not in seen)  # type: ignore[attr-defined]
+        if rest:
+            out["other"] = rest
+        return out
+
 
 def count_parameters(modules, trainable_only: bool = False) -> int:
     """Parameters of ``modules``, each shared (tied) tensor counted once."""

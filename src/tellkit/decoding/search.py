@@ -1,12 +1,9 @@
 """Batched greedy and beam search over any incremental decoder.
 
-A decoder is an object with two methods (see :class:`IncrementalDecoder`):
-
-- ``step(tokens) -> log_probs``: ``tokens`` is LongTensor [N, t] (row histories, beginning
-  with BOS); returns float [N, V] log-probabilities of the next token. The decoder keeps its
-  own incremental state, so it only needs to process ``tokens[:, -1]``.
-- ``reorder(index)``: rows of the state are replaced by ``state[index]`` (beam reordering, or
-  dropping finished rows so that later steps run on fewer rows).
+A decoder is a :class:`tellkit.decoding.state.IncrementalDecoder`: ``step(tokens)`` gives
+float [N, V] log-probabilities of the next token for row histories ``tokens`` [N, t] (beginning
+with BOS), ``reorder(index)`` replaces the rows of its state by ``state[index]`` (beam
+reordering, or dropping finished rows so that later steps run on fewer rows).
 
 Conventions: ``max_len`` counts generated tokens including EOS; returned token lists exclude
 BOS and EOS. A finished beam hypothesis scores sum(log p) / length**length_penalty, with
@@ -15,15 +12,10 @@ length counting its EOS (as fairseq does).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-
-class IncrementalDecoder(Protocol):
-    def step(self, tokens: torch.Tensor) -> torch.Tensor: ...
-
-    def reorder(self, index: torch.Tensor) -> None: ...
+from tellkit.decoding.state import IncrementalDecoder
 
 
 @dataclass

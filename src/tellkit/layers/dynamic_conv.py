@@ -71,11 +71,6 @@ class DynamicConv1d(nn.Module):
             out = out + self.conv_bias
         return out
 
-    @staticmethod
-    def reorder_state(state: dict, index: torch.Tensor) -> None:
-        if state.get("history") is not None:
-            state["history"] = state["history"].index_select(0, index)
-
 
 class DynamicConvLayer(nn.Module):
     """Input dropout -> Linear(d, 2d) -> GLU -> DynamicConv1d -> Linear(d, d)."""

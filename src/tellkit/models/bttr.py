@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.layers.attention import MultiheadAttention, causal_mask
+from tellkit.decoding.state import IncrementalDecoder, RowContext, reorder_state
+from tellkit.layers.attention import MultiheadAttention, ProjectedKV, causal_mask
+from tellkit.layers.loss import logits_loss
 from tellkit.layers.positional import SinusoidalPositions
 from tellkit.registry import register_model
 
@@ -284,18 +286,15 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, memory, memory_mask, cache: dict | None = None):
-        """x [N, L, d]; memory [N, S, d], memory_mask [N, S] True = real.
-        ``cache``: {"self": incremental self-attention state, "memory": projected memory}."""
-        if cache is None:  # full sequence, causal
+    def forward(self, x, kv: ProjectedKV, state: dict | None = None):
+        """x [N, L, d]; ``kv``: the memory projected by ``cross_attn.project_kv``.
+        ``state``: incremental self-attention keys/values (a dict, initially empty); with it
+        ``x`` holds only the newest position(s)."""
+        if state is None:  # full sequence, causal
             h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device))
-            kv = self.cross_attn.project_kv(memory, key_padding_mask=~memory_mask)
-        else:  # only the newest position(s); earlier keys/values come from the cache
-            start = cache["self"]["k"].shape[2] if "k" in cache.setdefault("self", {}) else 0
-            h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device, offset=start), cache=cache["self"])
-            if "memory" not in cache:  # memory keys/values projected once per search
-                cache["memory"] = self.cross_attn.project_kv(memory, key_padding_mask=~memory_mask)
-            kv = cache["memory"]
+        else:  # earlier keys/values come from the state
+            start = state["k"].shape[2] if "k" in state else 0
+            h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device, offset=start), cache=state)
         x = self.norm1(x + self.drop(h))
         x = self.norm2(x + self.drop(self.cross_attn.attend(x, kv)[0]))
         return self.norm3(x + self.drop(self.ff(x)))
@@ -316,11 +315,20 @@ class Decoder(nn.Module):
             return self.legacy_positions(length, start).to(device)
         return word_positions(length, self.d_model, start, device)
 
-    def forward(self, tokens, memory, memory_mask, cache: list | None = None, start: int = 0):
-        """tokens [N, L] at positions start..start+L-1 -> logits [N, L, V]."""
+    def project_memory(self, memory: torch.Tensor, memory_mask: torch.Tensor) -> list[ProjectedKV]:
+        """Per layer, the memory [N, S, d] (mask True = real) projected for cross-attention."""
+        return [layer.cross_attn.project_kv(memory, key_padding_mask=~memory_mask) for layer in self.layers]
+
+    def forward(self, tokens, memory=None, memory_mask=None, states: list | None = None, start: int = 0,
+                kvs: list[ProjectedKV] | None = None):
+        """tokens [N, L] at positions start..start+L-1 -> logits [N, L, V]. The memory comes
+        as ``memory``/``memory_mask`` or already projected (``kvs``, from :meth:`project_memory`);
+        ``states``: one incremental self-attention dict per layer."""
+        if kvs is None:
+            kvs = self.project_memory(memory, memory_mask)
         x = self.embed_norm(self.embed(tokens)) + self.positions(tokens.shape[1], start, tokens.device)
         for i, layer in enumerate(self.layers):
-            x = layer(x, memory, memory_mask, None if cache is None else cache[i])
+            x = layer(x, kvs[i], None if states is None else states[i])
         return self.out(x)
 
 
@@ -352,10 +360,6 @@ class BTTR(nn.Module, PretrainedMixin):
         self.encoder = Encoder(config)
         self.decoder = Decoder(config)
 
-    def parameter_breakdown(self) -> dict[str, int]:
-        count = lambda m: sum(p.numel() for p in m.parameters() if p.requires_grad)  # noqa: E731
-        return {"encoder": count(self.encoder), "decoder": count(self.decoder)}
-
     def encode(self, image: torch.Tensor, image_mask: torch.Tensor | None = None):
         return self.encoder(image, image_mask)
 
@@ -364,48 +368,16 @@ class BTTR(nn.Module, PretrainedMixin):
         memory, mmask = self.encode(batch["image"], batch.get("image_mask"))
         inp, tgt = bidirectional_targets(batch["labels"], batch["label_lengths"])
         logits = self.decoder(inp, memory.repeat(2, 1, 1), mmask.repeat(2, 1))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=PAD)
-        return {"loss": loss, "ntokens": int((tgt != PAD).sum()), "logits": logits}
+        return {**logits_loss(logits, tgt, ignore_index=PAD), "logits": logits}
 
     # --- decoding API used by tellkit.models.bttr_search ------------------------------
-    def new_cache(self, memory: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None,
-                  repeats: int = 1) -> list[dict]:
-        """Per-layer decoding state. With ``memory`` the cross-attention keys/values are projected
-        now, once per image, and shared by its ``repeats`` beams (rows image-major)."""
-        cache: list[dict] = [{} for _ in self.decoder.layers]
-        if memory is not None:
-            rows = torch.arange(memory.shape[0], device=memory.device).repeat_interleave(repeats)
-            for layer, state in zip(self.decoder.layers, cache):
-                kv = layer.cross_attn.project_kv(memory, key_padding_mask=~memory_mask)
-                state["memory"] = kv.index_select(rows) if repeats > 1 else kv
-        return cache
-
-    @staticmethod
-    def reorder_cache(cache: list[dict], index: torch.Tensor, memory_index: torch.Tensor | None = None) -> list[dict]:
-        """Rows of the self-attention state become ``state[index]``. The projected memory only
-        changes when rows of other images are dropped (``memory_index``); beams of one image
-        share it, so reordering beams never touches it."""
-        for layer in cache:
-            sc = layer.get("self", {})
-            for key in ("k", "v", "mask"):
-                if key in sc:
-                    sc[key] = sc[key].index_select(0, index)
-            if memory_index is not None and "memory" in layer:
-                layer["memory"] = layer["memory"].index_select(memory_index)
-        return cache
-
-    def step_logprobs(self, prefix: torch.Tensor, memory, memory_mask, cache: list | None) -> torch.Tensor:
-        """Log-probabilities of the next token [N, V] given prefixes [N, t].
-
-        With a cache only the last token is fed (its keys/values are appended; ``memory`` may be
-        None once the cache holds its projection); without one the whole prefix is recomputed,
-        as in the reference implementation."""
-        if cache is None:
-            logits = self.decoder(prefix, memory, memory_mask)[:, -1]
-        else:
-            t = prefix.shape[1]
-            logits = self.decoder(prefix[:, -1:], memory, memory_mask, cache, start=t - 1)[:, -1]
-        return F.log_softmax(logits.float(), -1)
+    def incremental(self, memory: torch.Tensor, memory_mask: torch.Tensor, owner: torch.Tensor,
+                    use_cache: bool = True) -> IncrementalDecoder:
+        """A :class:`tellkit.decoding.state.IncrementalDecoder` with one row per ``owner`` entry
+        (the row of ``memory`` that decoder row reads). With the cache the memory keys/values
+        are projected once per image and each step feeds only the newest token; without it every
+        step re-runs the decoder on the whole prefix, as the reference does."""
+        return _BTTRIncremental(self.decoder, memory, memory_mask, owner, use_cache)
 
     def sequence_logprob(self, inputs: torch.Tensor, targets: torch.Tensor, memory, memory_mask) -> torch.Tensor:
         """Teacher-forced sum of log p(targets) per row (PAD targets ignored): [N]."""
@@ -425,3 +397,33 @@ class BTTR(nn.Module, PretrainedMixin):
         return joint_search(self, image, image_mask, beam_size=beam_size or c.beam_size,
                             max_len=max_len or c.max_len, alpha=c.alpha if alpha is None else alpha,
                             bidirectional=bidirectional, rescore=rescore, use_cache=use_cache)
+
+
+class _BTTRIncremental:
+    """See :meth:`BTTR.incremental`."""
+
+    def __init__(self, decoder: Decoder, memory: torch.Tensor, memory_mask: torch.Tensor, owner: torch.Tensor,
+                 use_cache: bool):
+        self.decoder = decoder
+        index = owner.to(memory.device)
+        if use_cache:  # projected once per image, then one row per decoder row
+            kvs = [kv.index_select(index) for kv in decoder.project_memory(memory, memory_mask)]
+            self.memory = RowContext(kvs, owner)
+            self.states: list[dict] | None = [{} for _ in decoder.layers]
+        else:
+            self.memory = RowContext((memory.index_select(0, index), memory_mask.index_select(0, index)), owner)
+            self.states = None
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.states is None:
+            mem, mask = self.memory.value
+            logits = self.decoder(tokens, mem, mask)[:, -1]
+        else:
+            t = tokens.shape[1]
+            logits = self.decoder(tokens[:, -1:], states=self.states, start=t - 1, kvs=self.memory.value)[:, -1]
+        return F.log_softmax(logits.float(), -1)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        if self.states is not None:
+            self.states = reorder_state(self.states, index)
+        self.memory.reorder(index)

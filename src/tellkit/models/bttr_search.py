@@ -13,8 +13,9 @@ where len is the number of predicted symbols (at least 1) and both scores includ
 token. What differs from the reference: batching and the cache (``use_cache=False`` recomputes
 every prefix like the reference).
 
-The model supplies ``encode``, ``new_cache``, ``reorder_cache``, ``step_logprobs`` and
-``sequence_logprob`` (see :class:`tellkit.models.bttr.BTTR`).
+The model supplies ``encode``, ``incremental`` (a :class:`tellkit.decoding.state.IncrementalDecoder`,
+the same protocol as every other decoder's search) and ``sequence_logprob`` (see
+:class:`tellkit.models.bttr.BTTR`).
 """
 from __future__ import annotations
 
@@ -37,12 +38,7 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
     ``beam_size`` (tokens without start/end, sum of log-probabilities including the end token)."""
     n, k = memory.shape[0], beam_size
     dev = memory.device
-    if use_cache:  # memory keys/values projected once per search, shared by its beams
-        cache = model.new_cache(memory, memory_mask, k)
-        mem = mmask = None
-    else:  # the reference's way: every step re-runs the decoder on the whole prefix
-        cache = None
-        mem, mmask = memory.repeat_interleave(k, 0), memory_mask.repeat_interleave(k, 0)
+    decoder = model.incremental(memory, memory_mask, torch.arange(n).repeat_interleave(k), use_cache=use_cache)
     prefix = start.repeat_interleave(k)[:, None]  # [m*k, t] for the m searches still running
     scores = torch.full((n, k), NEG, device=dev)
     scores[:, 0] = 0.0  # one live hypothesis at the start
@@ -52,7 +48,7 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
     ar = torch.arange(k, device=dev)[None]
     for _ in range(max_len):
         m = len(alive)
-        lp = model.step_logprobs(prefix, mem, mmask, cache)  # [m*k, V]
+        lp = decoder.step(prefix)  # [m*k, V]
         v = lp.shape[-1]
         lp[:, PAD] = NEG  # never generate padding or the direction's own start token
         lp.scatter_(1, prefix[:, :1], NEG)
@@ -71,19 +67,13 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
             alive = []
             break
         rows = (torch.arange(m, device=dev)[:, None] * k + beam)  # parent row of each new slot
-        if len(keep) < m:  # drop finished searches from every tensor (and the cache)
+        if len(keep) < m:  # drop finished searches (their rows leave the decoder too)
             kt = torch.tensor(keep, device=dev)
             rows, tok, top, end_k = rows[kt], tok[kt], top[kt], end_k[kt]
             alive = [alive[i] for i in keep]
-            sel = (kt[:, None] * k + torch.arange(k, device=dev)[None]).reshape(-1)
-            if mem is not None:
-                mem, mmask = mem.index_select(0, sel), mmask.index_select(0, sel)
-        else:
-            sel = None
         rows = rows.reshape(-1)
         prefix = torch.cat([prefix.index_select(0, rows), tok.reshape(-1, 1)], 1)
-        if cache is not None:
-            model.reorder_cache(cache, rows, sel)
+        decoder.reorder(rows)
         scores = top
     # max_len reached: a search with nothing finished keeps its best live hypothesis
     for i, g in enumerate(alive):

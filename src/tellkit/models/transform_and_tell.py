@@ -33,14 +33,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tellkit.checkpoint import PretrainedMixin, count_parameters
+from tellkit.checkpoint import PretrainedMixin
 from tellkit.decoding.search import run_search
+from tellkit.decoding.state import RowContext, reorder_state
 from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
 from tellkit.layers.attention import MultiheadAttention, ProjectedKV
-from tellkit.layers.dynamic_conv import DynamicConv1d, DynamicConvLayer
+from tellkit.layers.dynamic_conv import DynamicConvLayer
 from tellkit.layers.layer_mix import LayerMix
 from tellkit.layers.linear import GehringLinear
+from tellkit.layers.loss import token_loss
 from tellkit.layers.positional import SinusoidalPositions
 from tellkit.registry import register_model
 
@@ -320,9 +322,7 @@ class TransformAndTell(nn.Module, PretrainedMixin):
             copy_p = (w * hit).sum(-1)[mask]
             g = gate[mask]
             lp = torch.logaddexp(torch.log(g) + lp, torch.log1p(-g) + torch.log(copy_p))
-        ntokens = mask.sum()
-        loss = -lp.sum() / ntokens.clamp(min=1)
-        return {"loss": loss, "ntokens": ntokens, "nll_bits": loss.detach() / math.log(2)}
+        return token_loss(lp, mask.sum())
 
     @torch.no_grad()
     def log_probs(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -374,40 +374,28 @@ class TransformAndTell(nn.Module, PretrainedMixin):
             result.append(per_token)
         return result
 
-    def parameter_breakdown(self) -> dict[str, int]:
-        def count(mods):
-            return count_parameters(mods, trainable_only=True)
-
-        out = {"adaptive_input": count([self.embed]),
-               "decoder_blocks": count(self.layers),
-               "adaptive_softmax_own": count([self.softmax]),
-               "article_layer_mix": count([self.article_mix]) if self.article_mix is not None else 0}
-        if self.copy_head is not None:
-            out["copy_head"] = count([self.copy_head])
-        return out
+    def parameter_parts(self) -> dict[str, Any]:
+        return {"adaptive_input": self.embed, "decoder_blocks": self.layers,
+                "adaptive_softmax_own": self.softmax, "article_layer_mix": self.article_mix,
+                **({"copy_head": self.copy_head} if self.copy_head is not None else {})}
 
 
 class _Incremental:
-    """Adapter for ``tellkit.decoding.search``: one new token per step, per-layer conv
-    histories (the last K-1 inputs only) and context keys/values computed once."""
+    """:class:`tellkit.decoding.state.IncrementalDecoder` over the model: one new token per
+    step, per-layer conv histories (the last K-1 inputs only) and context keys/values
+    computed once. ``row_sample``: the input of each row of ``ctx`` (default: one row each)."""
 
     def __init__(self, model: TransformAndTell, ctx: Contexts, row_sample: torch.Tensor | None = None):
-        self.model, self.ctx = model, ctx
+        self.model = model
         self.states: list[dict] = [{} for _ in model.layers]
         n = next(iter(ctx.feats.values()))[0].size(0)
-        # input sample of each row: beams of one sample share its contexts, so reordering
-        # beams within a sample leaves the (large) projected contexts untouched
-        self.row_sample = torch.arange(n) if row_sample is None else row_sample.cpu()
+        self.ctx = RowContext(ctx, torch.arange(n) if row_sample is None else row_sample)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.size(1) - 1
-        h, _ = self.model.decode(tokens[:, -1:], self.ctx, self.states, start=t)
-        return self.model.next_log_probs(h, self.ctx)[:, -1]
+        h, _ = self.model.decode(tokens[:, -1:], self.ctx.value, self.states, start=t)
+        return self.model.next_log_probs(h, self.ctx.value)[:, -1]
 
     def reorder(self, index: torch.Tensor) -> None:
-        for s in self.states:
-            DynamicConv1d.reorder_state(s, index)
-        new_rows = self.row_sample[index.cpu()]
-        if not torch.equal(new_rows, self.row_sample):
-            self.ctx = self.ctx.index_select(index)
-        self.row_sample = new_rows
+        self.states = reorder_state(self.states, index)
+        self.ctx.reorder(index)

@@ -43,12 +43,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
 from tellkit.errors import TellkitError
 from tellkit.layers.fusion import FUSIONS, SOFTMAX_OVER, FusionBlock
+from tellkit.layers.loss import logits_loss
 from tellkit.registry import register_model
 
 log = logging.getLogger(__name__)
@@ -271,18 +271,9 @@ class VGGPLM(nn.Module, PretrainedMixin):
             for block in blocks.values():
                 yield from block.boosted_parameters()
 
-    def parameter_breakdown(self) -> dict[str, int]:
-        def count(m: nn.Module | None) -> int:
-            return 0 if m is None else sum(p.numel() for p in m.parameters())
-
-        out = {
-            "backbone": count(self.backbone),
-            "visual_encoder": count(self.visual_encoder),
-            "encoder_fusion": count(self.encoder_fusion),
-            "decoder_fusion": count(self.decoder_fusion),
-        }
-        out["add_on"] = out["visual_encoder"] + out["encoder_fusion"] + out["decoder_fusion"]
-        return out
+    def parameter_parts(self) -> dict[str, Any]:
+        return {"backbone": self.backbone, "visual_encoder": self.visual_encoder,
+                "encoder_fusion": self.encoder_fusion, "decoder_fusion": self.decoder_fusion}
 
     # -- fusion context (read by the hooks) ---------------------------------------------------
     def _make_hook(self, block: FusionBlock):
@@ -345,8 +336,7 @@ class VGGPLM(nn.Module, PretrainedMixin):
                 input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), decoder_input_ids=dec_in
             )
         logits = out.logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=-100)
-        return {"loss": loss, "ntokens": (labels != -100).sum(), "logits": logits}
+        return {**logits_loss(logits, labels, ignore_index=-100), "logits": logits}
 
     # -- decoding -----------------------------------------------------------------------------
     @torch.no_grad()

@@ -1,14 +1,13 @@
 """Pieces shared by the LSTM caption baselines (Show and Tell, Show-Attend-and-Tell, the LSTM
-ablation rows of Transform and Tell): reading context sets from a captioning batch, the
-teacher-forced loss, and generation through the project's one search
-(:mod:`tellkit.decoding.search`), returning what ``TransformAndTell.generate`` returns.
+ablation rows of Transform and Tell): reading context sets from a captioning batch and
+generation through the project's one search (:mod:`tellkit.decoding.search`), returning
+what ``TransformAndTell.generate`` returns.
 
 Batch keys: :class:`tellkit.data.batch.CaptionBatch` (``caption`` [B, T], and per context
 ``<name>`` float [B, N, C] with ``<name>_mask`` bool [B, N], True = a real entry).
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch import nn
 
 from tellkit.data.batch import read_context
 from tellkit.decoding.search import run_search
+from tellkit.decoding.state import reorder_state
 from tellkit.errors import TellkitError
 
 # one checked reader of a context set for every captioner (True = a real entry)
@@ -41,16 +41,6 @@ def shift(caption: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tenso
         raise TellkitError(f"caption must be [B, T>=2] token ids, got {tuple(caption.shape)}")
     inp, target = caption[:, :-1], caption[:, 1:]
     return inp, target, target != pad_id
-
-
-def token_loss(target_lp: torch.Tensor, ntokens: torch.Tensor, extra: torch.Tensor | None = None) -> dict:
-    """``target_lp``: log p of each real target token [N]. Summed NLL (+ ``extra``, a summed
-    regulariser) divided by the number of target tokens: the loop's contract (mean over
-    target tokens, weighted by ``ntokens`` across micro-batches)."""
-    n = ntokens.clamp(min=1)
-    nll = -target_lp.sum()
-    loss = (nll + (extra if extra is not None else 0.0)) / n
-    return {"loss": loss, "ntokens": ntokens, "nll_bits": (nll / n).detach() / math.log(2)}
 
 
 class VocabOutput(nn.Module):
@@ -79,8 +69,9 @@ class VocabOutput(nn.Module):
 
 
 class RowState:
-    """Incremental decoder for the search: ``step_fn(last_tokens [N], state) -> (log_probs
-    [N, V], new_state)``; ``state`` is a dict of tensors whose first axis is the row."""
+    """:class:`tellkit.decoding.state.IncrementalDecoder` over a step function:
+    ``step_fn(last_tokens [N], state) -> (log_probs [N, V], new_state)``; ``state`` is a dict
+    of tensors whose first axis is the row."""
 
     def __init__(self, step_fn: Callable, state: dict[str, Any]):
         self.step_fn, self.state = step_fn, state
@@ -90,17 +81,7 @@ class RowState:
         return lp
 
     def reorder(self, index: torch.Tensor) -> None:
-        self.state = {k: _index(v, index) for k, v in self.state.items()}
-
-
-def _index(v: Any, index: torch.Tensor) -> Any:
-    if isinstance(v, torch.Tensor):
-        return v.index_select(0, index.to(v.device))
-    if isinstance(v, (list, tuple)):
-        return type(v)(_index(x, index) for x in v)
-    if isinstance(v, dict):
-        return {k: _index(x, index) for k, x in v.items()}
-    return v
+        self.state = reorder_state(self.state, index)
 
 
 def search(step_fn: Callable, state: dict[str, Any], batch_size: int, *, bos_id: int, eos_id: int, pad_id: int,
@@ -110,7 +91,7 @@ def search(step_fn: Callable, state: dict[str, Any], batch_size: int, *, bos_id:
     row per input and is repeated per beam here. Output as ``TransformAndTell.generate``."""
     common = dict(bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len=max_len, min_len=min_len,
                   no_repeat_ngram_size=no_repeat_ngram_size, device=device)
-    return run_search(lambda rows: RowState(step_fn, state if rows is None else _index(state, rows)),
+    return run_search(lambda rows: RowState(step_fn, state if rows is None else reorder_state(state, rows)),
                       batch_size, beam_size=beam_size, length_penalty=length_penalty, n_best=n_best, **common)
 
 

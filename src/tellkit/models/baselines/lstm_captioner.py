@@ -27,7 +27,6 @@ PyTorch's default instead of uniform(-0.1, 0.1) for the LSTM cells.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +38,7 @@ from tellkit.checkpoint import PretrainedMixin
 from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
 from tellkit.layers.layer_mix import LayerMix
+from tellkit.layers.loss import token_loss
 from tellkit.models.baselines.common import attention_lists, context_set, masked_softmax, search, shift
 from tellkit.registry import register_model
 
@@ -161,9 +161,7 @@ class LSTMCaptioner(nn.Module, PretrainedMixin):
         inp, target, mask = shift(batch["caption"], self.config.pad_id)
         y, _, _ = self.teacher_forced(batch, inp)
         lp = self.softmax.target_log_probs(y[mask], target[mask])
-        ntokens = mask.sum()
-        loss = -lp.sum() / ntokens.clamp(min=1)
-        return {"loss": loss, "ntokens": ntokens, "nll_bits": loss.detach() / math.log(2)}
+        return token_loss(lp, mask.sum())
 
     # -- generation ---------------------------------------------------------------------------
     def _search_step(self, last: torch.Tensor, s: dict):

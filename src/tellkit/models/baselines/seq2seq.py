@@ -17,7 +17,6 @@ trained from scratch, so :meth:`load_backbone_weights` has nothing to load), ``f
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
 from tellkit.errors import TellkitError
+from tellkit.layers.loss import logits_loss
 from tellkit.models.baselines.common import masked_softmax, search
 from tellkit.registry import register_model
 
@@ -136,7 +136,6 @@ class Seq2Seq(nn.Module, PretrainedMixin):
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         cfg = self.config
         target = self._targets(batch["labels"])
-        mask = target != cfg.pad_id
         start = torch.full_like(target[:, :1], cfg.bos_id)
         inp = torch.cat([start, target[:, :-1]], dim=1)
         st = self.encode(batch["input_ids"], batch.get("attention_mask"))
@@ -144,11 +143,7 @@ class Seq2Seq(nn.Module, PretrainedMixin):
         for t in range(inp.size(1)):
             lg, _, st = self.step(inp[:, t], st)
             logits.append(lg)
-        lp = torch.log_softmax(torch.stack(logits, 1).float(), dim=-1)
-        nll = -lp.gather(-1, target[..., None]).squeeze(-1)[mask].sum()
-        ntokens = mask.sum()
-        loss = nll / ntokens.clamp(min=1)
-        return {"loss": loss, "ntokens": ntokens, "nll_bits": loss.detach() / math.log(2)}
+        return logits_loss(torch.stack(logits, 1), target, ignore_index=cfg.pad_id)
 
     def _search_step(self, last: torch.Tensor, st: dict):
         logits, _, st = self.step(last, st)

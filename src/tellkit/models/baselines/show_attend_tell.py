@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
+from tellkit.layers.loss import token_loss
 from tellkit.models.baselines.common import (
     VocabOutput,
     attention_lists,
@@ -37,7 +38,6 @@ from tellkit.models.baselines.common import (
     masked_softmax,
     search,
     shift,
-    token_loss,
 )
 from tellkit.registry import register_model
 

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.models.baselines.common import VocabOutput, context_set, masked_mean, search, shift, token_loss
+from tellkit.layers.loss import token_loss
+from tellkit.models.baselines.common import VocabOutput, context_set, masked_mean, search, shift
 from tellkit.registry import register_model
 
 

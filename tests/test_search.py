@@ -122,7 +122,8 @@ def test_reorder_state_reindexes_every_nesting_and_leaves_the_original():
     from tellkit.layers.attention import ProjectedKV
 
     rows = torch.arange(4.0)
-    kv = ProjectedKV(torch.arange(4.0).view(4, 1, 1, 1), torch.zeros(4, 1, 1, 1), torch.zeros(4, 1, dtype=torch.bool), 1)
+    kv = ProjectedKV(torch.arange(4.0).view(4, 1, 1, 1), torch.zeros(4, 1, 1, 1),
+                     torch.zeros(4, 1, dtype=torch.bool), 1)
     state = [{"k": rows.clone(), "inner": [rows.clone(), (rows.clone(), 7)], "kv": kv, "n": 3, "none": None}]
     idx = torch.tensor([2, 2, 0])
     out = reorder_state(state, idx)

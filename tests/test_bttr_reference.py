@@ -275,15 +275,42 @@ def test_a_pickle_that_runs_code_is_not_executed(tmp_path):
     assert not marker.exists() and not (tmp_path / "o2").exists()
 
 
-def test_converted_weights_round_trip_through_tellkit(reference_ckpt, tmp_path):
-    """tellkit -> reference layout is the inverse: a tellkit BTTR's weights, written under the
-    reference's names, convert back to the same tensors."""
-    _, path = reference_ckpt
-    out = tmp_path / "c1"
-    assert main(["convert", str(path), "--out", str(out), "-o", "nhead=4"]) == 0
-    m = BTTR.from_pretrained(out)
-    assert isinstance(m.config, BTTRConfig)
-    assert sum(p.numel() for p in m.parameters()) == sum(p.numel() for p in _RefBTTR().parameters())
+def test_export_to_the_reference_and_back(tmp_path):
+    """tellkit -> reference: the exported .ckpt loads strictly into the re-stated reference
+    model and gives the tellkit model's logits; converting it back gives the same tensors."""
+    torch.manual_seed(1)
+    m = BTTR(BTTRConfig(growth_rate=4, block_depth=2, stem_channels=8, d_model=32, nhead=4,
+                        num_decoder_layers=2, dim_feedforward=64)).eval()
+    for name, t in m.state_dict().items():  # non-trivial BatchNorm statistics as well
+        if t.is_floating_point():
+            t.copy_(torch.rand_like(t) + 0.5 if "running_var" in name else torch.randn_like(t) * 0.2)
+    src = m.save_pretrained(tmp_path / "tellkit_model")
+    ckpt = tmp_path / "exported.ckpt"
+    assert main(["convert", str(src), "--to", "reference", "--out", str(ckpt)]) == 0
+    data = torch.load(ckpt, weights_only=True)  # tensors and plain values only
+    assert data["hyper_parameters"] == {"d_model": 32, "growth_rate": 4, "num_layers": 2, "nhead": 4,
+                                        "num_decoder_layers": 2, "dim_feedforward": 64, "dropout": 0.3,
+                                        "beam_size": 10, "max_len": 200, "alpha": 1.0, "learning_rate": 1.0,
+                                        "patience": 20}
+    ref = _RefBTTR(d=32, k=4, depth=2, nhead=4, layers=2, ffn=64).eval()
+    ref.load_state_dict({k[len("bttr."):]: v for k, v in data["state_dict"].items()}, strict=True)
+    img, tgt = torch.rand(1, 1, 64, 96), torch.tensor([[1, 10, 20, 30, 40]])
+    with torch.no_grad():
+        mem, mask = m.encode(img, None)
+        assert torch.allclose(ref(img, tgt), m.decoder(tgt, mem, mask), atol=1e-4)
+    back = tmp_path / "back"
+    assert main(["convert", str(ckpt), "--out", str(back), "-o", "nhead=4"]) == 0
+    again = BTTR.from_pretrained(back).state_dict()
+    assert again.keys() == m.state_dict().keys()
+    assert all(torch.equal(again[k], v) for k, v in m.state_dict().items())
+    # an existing file is never overwritten; the old layout cannot be exported
+    before = ckpt.read_bytes()
+    assert main(["convert", str(src), "--to", "reference", "--out", str(ckpt)]) == 2
+    assert ckpt.read_bytes() == before
+    from tellkit.pipelines.recognition import DEFAULT_CHECKPOINT
+
+    assert main(["convert", str(DEFAULT_CHECKPOINT), "--to", "reference", "--out", str(tmp_path / "x.ckpt")]) == 2
+    assert not (tmp_path / "x.ckpt").exists()
 
 
 def test_checkpoints_from_tellkit_0_1_still_load(tmp_path):

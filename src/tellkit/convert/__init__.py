@@ -7,6 +7,10 @@ Each model family that can be imported has a module here (``tellkit.convert.<fam
     def convert(state, **options) -> tuple[dict, dict[str, Tensor]]
         # -> (model config fields, tellkit state dict); raise TellkitError on a mismatch
 
+and optionally, to go back::
+
+    def to_reference(config: dict, state: dict[str, Tensor]) -> dict   # the reference's checkpoint
+
 Reference checkpoints are PyTorch pickles (a Lightning ``.ckpt``, an AllenNLP ``best.th``).
 They are read with ``torch.load(weights_only=True)``, or, when the file also names other classes
 (Lightning's ``AttributeDict``, callback states), by a restricted unpickler that rebuilds tensors
@@ -204,3 +208,26 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: s
 
 def _is_buffer(model: torch.nn.Module, key: str) -> bool:
     return key in dict(model.named_buffers())
+
+
+def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write the tellkit checkpoint folder ``src`` as the reference implementation's checkpoint
+    file ``out`` (a PyTorch pickle of tensors and plain values, as the reference loads it)."""
+    from dataclasses import asdict
+
+    from tellkit.checkpoint import load_model
+
+    src, out = Path(src), Path(out)
+    if out.exists():
+        raise TellkitError(f"{out}: exists (nothing was written)")
+    if not out.parent.is_dir():
+        raise TellkitError(f"{out.parent}: no such folder")
+    model = load_model(src)
+    mod = converter(model.family)
+    if not hasattr(mod, "to_reference"):
+        raise TellkitError(f"no export to the reference format for {model.family!r}")
+    ckpt = mod.to_reference(asdict(model.config), model.state_dict())
+    tmp = out.with_name(out.name + ".tmp")
+    torch.save(ckpt, tmp)
+    tmp.replace(out)
+    return out

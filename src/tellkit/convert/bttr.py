@@ -1,4 +1,4 @@
-"""Green-Wood/BTTR Lightning checkpoints (``*.ckpt``) -> tellkit BTTR.
+"""Green-Wood/BTTR Lightning checkpoints (``*.ckpt``) <-> tellkit BTTR.
 
 The reference's ``LitBTTR`` keeps the model under ``bttr.`` with these parts::
 
@@ -21,11 +21,15 @@ The vocabulary: the reference numbers ``<pad> <sos> <eos>`` 0..2 and then the li
 symbol whatever the file's order; a symbol on one side only is an error unless
 ``allow_vocab_mismatch=true``, which drops the reference's extra symbols and gives tellkit's
 missing ones an output bias of -10000 (never predicted).
+
+:func:`to_reference` goes the other way (``tellkit convert DIR --to reference --out X.ckpt``),
+through the same name table, so the two directions cannot drift apart.
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,6 +54,46 @@ def matches(state: dict[str, torch.Tensor]) -> bool:
 def _count(s: dict, pattern: str) -> int:
     rx = re.compile(pattern)
     return len({m.group(1) for k in s for m in [rx.match(k)] if m})
+
+
+_BN = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
+_ATTENTION = (("self_attn", "self_attn"), ("multihead_attn", "cross_attn"))  # reference, tellkit
+
+
+def _name_pairs(config: dict) -> list[tuple[str, str]]:
+    """(reference name, tellkit name) of every tensor except the attention input projections
+    (stacked q|k|v in the reference, three linears in tellkit). Used in both directions."""
+    pairs: list[tuple[str, str]] = []
+
+    def bn(ref: str, own: str) -> None:
+        pairs.extend((f"{ref}.{n}", f"{own}.{n}") for n in _BN)
+
+    enc = "encoder.densenet"
+    pairs.append(("encoder.model.conv1.weight", f"{enc}.stem.weight"))
+    bn("encoder.model.norm1", f"{enc}.stem_bn")
+    blocks, depth = config["num_blocks"], config["block_depth"]
+    for b in range(blocks):
+        for i in range(depth):
+            ref, own = f"encoder.model.dense{b + 1}.{i}", f"{enc}.blocks.{b}.{i}"
+            pairs += [(f"{ref}.conv1.weight", f"{own}.conv1.weight"), (f"{ref}.conv2.weight", f"{own}.conv2.weight")]
+            bn(f"{ref}.bn1", f"{own}.bn1")
+            bn(f"{ref}.bn2", f"{own}.bn2")
+        if b < blocks - 1:
+            pairs.append((f"encoder.model.trans{b + 1}.conv1.weight", f"{enc}.transitions.{b}.conv.weight"))
+            bn(f"encoder.model.trans{b + 1}.bn1", f"{enc}.transitions.{b}.bn")
+    bn("encoder.model.post_norm", f"{enc}.post_bn")
+    for n in ("weight", "bias"):
+        pairs += [(f"encoder.feature_proj.0.{n}", f"encoder.proj.{n}"), (f"encoder.norm.{n}", f"encoder.norm.{n}"),
+                  (f"decoder.word_embed.1.{n}", f"decoder.embed_norm.{n}"), (f"decoder.proj.{n}", f"decoder.out.{n}")]
+    pairs.append(("decoder.word_embed.0.weight", "decoder.embed.weight"))
+    for i in range(config["num_decoder_layers"]):
+        ref, own = f"decoder.model.layers.{i}", f"decoder.layers.{i}"
+        for n in ("weight", "bias"):
+            for r, o in _ATTENTION:
+                pairs.append((f"{ref}.{r}.out_proj.{n}", f"{own}.{o}.out_proj.{n}"))
+            pairs += [(f"{ref}.linear1.{n}", f"{own}.ff.0.{n}"), (f"{ref}.linear2.{n}", f"{own}.ff.3.{n}")]
+            pairs += [(f"{ref}.norm{k}.{n}", f"{own}.norm{k}.{n}") for k in (1, 2, 3)]
+    return pairs
 
 
 def convert(state: dict[str, torch.Tensor], nhead: int = 8, dictionary: str | None = None,
@@ -81,50 +125,17 @@ def convert(state: dict[str, torch.Tensor], nhead: int = 8, dictionary: str | No
                   beam_size=int(beam_size), max_len=int(max_len), alpha=float(alpha), variant="reference")
 
     out: dict[str, torch.Tensor] = {}
-
-    def bn(src: str, dst: str) -> None:
-        for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
-            if f"{src}.{name}" in s:
-                out[f"{dst}.{name}"] = s[f"{src}.{name}"]
-
-    enc = "encoder.densenet"
-    out[f"{enc}.stem.weight"] = stem
-    bn("encoder.model.norm1", f"{enc}.stem_bn")
-    for b in range(blocks):
-        for i in range(depth):
-            src, dst = f"encoder.model.dense{b + 1}.{i}", f"{enc}.blocks.{b}.{i}"
-            out[f"{dst}.conv1.weight"] = s[f"{src}.conv1.weight"]
-            out[f"{dst}.conv2.weight"] = s[f"{src}.conv2.weight"]
-            bn(f"{src}.bn1", f"{dst}.bn1")
-            bn(f"{src}.bn2", f"{dst}.bn2")
-        if b < blocks - 1:
-            out[f"{enc}.transitions.{b}.conv.weight"] = s[f"encoder.model.trans{b + 1}.conv1.weight"]
-            bn(f"encoder.model.trans{b + 1}.bn1", f"{enc}.transitions.{b}.bn")
-    bn("encoder.model.post_norm", f"{enc}.post_bn")
-    out["encoder.proj.weight"] = s["encoder.feature_proj.0.weight"]
-    out["encoder.proj.bias"] = s["encoder.feature_proj.0.bias"]
-    out["encoder.norm.weight"], out["encoder.norm.bias"] = s["encoder.norm.weight"], s["encoder.norm.bias"]
-
-    out["decoder.embed.weight"] = s["decoder.word_embed.0.weight"]
-    out["decoder.embed_norm.weight"] = s["decoder.word_embed.1.weight"]
-    out["decoder.embed_norm.bias"] = s["decoder.word_embed.1.bias"]
+    for ref, own in _name_pairs(config):
+        if ref in s:
+            out[own] = s[ref]
+        elif not ref.endswith(".num_batches_tracked"):
+            raise TellkitError(f"not a complete BTTR checkpoint: {ref} is missing")
     for i in range(layers):
-        src, dst = f"decoder.model.layers.{i}", f"decoder.layers.{i}"
-        for ref_name, own in (("self_attn", "self_attn"), ("multihead_attn", "cross_attn")):
-            w = s[f"{src}.{ref_name}.in_proj_weight"]
-            bias = s[f"{src}.{ref_name}.in_proj_bias"]
-            for j, part in enumerate(("q_proj", "k_proj", "v_proj")):
-                out[f"{dst}.{own}.{part}.weight"] = w[j * d_model:(j + 1) * d_model]
-                out[f"{dst}.{own}.{part}.bias"] = bias[j * d_model:(j + 1) * d_model]
-            out[f"{dst}.{own}.out_proj.weight"] = s[f"{src}.{ref_name}.out_proj.weight"]
-            out[f"{dst}.{own}.out_proj.bias"] = s[f"{src}.{ref_name}.out_proj.bias"]
-        out[f"{dst}.ff.0.weight"], out[f"{dst}.ff.0.bias"] = s[f"{src}.linear1.weight"], s[f"{src}.linear1.bias"]
-        out[f"{dst}.ff.3.weight"], out[f"{dst}.ff.3.bias"] = s[f"{src}.linear2.weight"], s[f"{src}.linear2.bias"]
-        for n in (1, 2, 3):
-            out[f"{dst}.norm{n}.weight"] = s[f"{src}.norm{n}.weight"]
-            out[f"{dst}.norm{n}.bias"] = s[f"{src}.norm{n}.bias"]
-    out["decoder.out.weight"] = s["decoder.proj.weight"]
-    out["decoder.out.bias"] = s["decoder.proj.bias"]
+        for ref, own in _ATTENTION:
+            src, dst = f"decoder.model.layers.{i}.{ref}", f"decoder.layers.{i}.{own}"
+            for kind in ("weight", "bias"):
+                for j, part in enumerate(("q_proj", "k_proj", "v_proj")):
+                    out[f"{dst}.{part}.{kind}"] = s[f"{src}.in_proj_{kind}"][j * d_model:(j + 1) * d_model]
 
     if dictionary is not None:
         _remap_vocab(out, config, Path(dictionary), bool(allow_vocab_mismatch))
@@ -162,3 +173,43 @@ def _remap_vocab(out: dict, config: dict, path: Path, allow: bool) -> None:
                 new[i] = -1e4  # a symbol the reference never learned: never predicted
         out[key] = new
     config["vocab_size"] = len(vocab)
+
+
+# --- the other way: a tellkit BTTR as a reference Lightning checkpoint ---------------------------
+# LitBTTR's constructor arguments that are not model sizes: the reference's defaults.
+REFERENCE_TRAINING_HPARAMS = {"learning_rate": 1.0, "patience": 20}
+
+
+def to_reference(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """A tellkit BTTR (config fields, state dict) -> the reference's Lightning checkpoint dict:
+    ``state_dict`` under ``bttr.`` with the reference's names and stacked q|k|v projections,
+    ``hyper_parameters`` as ``LitBTTR``'s constructor takes them. Only what the reference can
+    build is accepted (its DenseNet has 3 blocks, a 2k-channel stem, compression 0.5, grey input)."""
+    if config.get("variant", "reference") != "reference":
+        raise TellkitError(f"only variant 'reference' has the reference's layers; this model is "
+                           f"{config.get('variant')!r} and cannot be exported")
+    fixed = {"in_channels": 1, "num_blocks": 3, "stem_channels": 2 * config["growth_rate"], "compression": 0.5,
+             "vocab_size": 113}
+    differ = {k: config[k] for k, v in fixed.items() if config[k] != v}
+    if differ:
+        raise TellkitError(f"the reference BTTR cannot hold {differ} (it builds {fixed})")
+    out = {}
+    for ref, own in _name_pairs(config):
+        if own in state:
+            out[f"bttr.{ref}"] = state[own]
+        elif not own.endswith(".num_batches_tracked"):
+            raise TellkitError(f"not a complete tellkit BTTR: {own} is missing")
+    for i in range(config["num_decoder_layers"]):
+        for ref, own in _ATTENTION:
+            src, dst = f"decoder.layers.{i}.{own}", f"bttr.decoder.model.layers.{i}.{ref}"
+            for kind in ("weight", "bias"):
+                qkv = [state[f"{src}.{part}.{kind}"] for part in ("q_proj", "k_proj", "v_proj")]
+                out[f"{dst}.in_proj_{kind}"] = torch.cat(qkv)
+    hparams = {"d_model": config["d_model"], "growth_rate": config["growth_rate"],
+               "num_layers": config["block_depth"], "nhead": config["nhead"],
+               "num_decoder_layers": config["num_decoder_layers"], "dim_feedforward": config["dim_feedforward"],
+               "dropout": config["dropout"], "beam_size": config["beam_size"], "max_len": config["max_len"],
+               "alpha": config["alpha"], **REFERENCE_TRAINING_HPARAMS}
+    return {"epoch": 0, "global_step": 0, "pytorch-lightning_version": "1.2.0",
+            "state_dict": {k: v.detach().float().contiguous().clone() for k, v in out.items()},
+            "hyper_parameters": hparams}

@@ -384,22 +384,18 @@ class PretrainedMixin:
         out: dict[str, int] = {}
         for name, part in self.parameter_parts().items():
             modules = [] if part is None else [part] if isinstance(part, torch.nn.Module) else list(part)
-            n = 0
-            for m in modules:
-                for p in m.parameters():
-                    if p.requires_grad and id(p) not in seen:
-                        seen.add(id(p))
-                        n += p.numel()
-            out[name] = n
-        rest = sum(p.numel() for p in self.parameters() if p.requires_grad and id(p) not in seen)  # type: ignore[attr-defined]
+            out[name] = count_parameters(modules, trainable_only=True, seen=seen)
+        rest = count_parameters([self], trainable_only=True, seen=seen)  # type: ignore[list-item]
         if rest:
             out["other"] = rest
         return out
 
 
-def count_parameters(modules, trainable_only: bool = False) -> int:
-    """Parameters of ``modules``, each shared (tied) tensor counted once."""
-    seen, n = set(), 0
+def count_parameters(modules, trainable_only: bool = False, seen: set[int] | None = None) -> int:
+    """Parameters of ``modules``, each shared (tied) tensor counted once. Pass the same ``seen``
+    set to several calls to count each tensor only in the first call that meets it."""
+    seen = set() if seen is None else seen
+    n = 0
     for m in modules:
         for p in m.parameters():
             if id(p) in seen or (trainable_only and not p.requires_grad):

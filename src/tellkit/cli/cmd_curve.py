@@ -61,11 +61,19 @@ def run(args) -> int:
             e[r["metric"]] = r["value"]
     table = [evals[s] for s in sorted(evals)]
     if args.png:
+        import io
+        from pathlib import Path
+
+        from tellkit.checkpoint import atomic_write_bytes
         from tellkit.utils.plot import line_chart
 
         series = {m: [(e[args.x], e[m]) for e in table if m in e] for m in metrics}
-        line_chart(series, args.png, title=args.title or str(args.run).rstrip("/").split("/")[-1],
-                   xlabel="epoch" if args.x == "epoch" else "optimizer step", ylabel=", ".join(metrics))
+        img = line_chart(series, title=args.title or Path(args.run).name,
+                         xlabel="epoch" if args.x == "epoch" else "optimizer step", ylabel=", ".join(metrics))
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(Path(args.png), buf.getvalue())
     if args.format == "markdown":
         print("| epoch | step | " + " | ".join(metrics) + " |")
         print("|---:|---:|" + "---:|" * len(metrics))

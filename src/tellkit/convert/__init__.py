@@ -213,9 +213,10 @@ def _is_buffer(model: torch.nn.Module, key: str) -> bool:
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the tellkit checkpoint folder ``src`` as the reference implementation's checkpoint
     file ``out`` (a PyTorch pickle of tensors and plain values, as the reference loads it)."""
+    import io
     from dataclasses import asdict
 
-    from tellkit.checkpoint import load_model
+    from tellkit.checkpoint import atomic_write_bytes, load_model
 
     src, out = Path(src), Path(out)
     if out.exists():
@@ -227,7 +228,7 @@ def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     if not hasattr(mod, "to_reference"):
         raise TellkitError(f"no export to the reference format for {model.family!r}")
     ckpt = mod.to_reference(asdict(model.config), model.state_dict())
-    tmp = out.with_name(out.name + ".tmp")
-    torch.save(ckpt, tmp)
-    tmp.replace(out)
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    atomic_write_bytes(out, buf.getvalue())
     return out

@@ -3,7 +3,6 @@ docs and reports (``tellkit curve``)."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
 
@@ -31,9 +30,9 @@ def _label(v: float) -> str:
     return f"{v:g}" if abs(v) < 1e5 else f"{v:.3g}"
 
 
-def line_chart(series: dict[str, list[tuple[float, float]]], path: str | Path, *, title: str = "",
-               xlabel: str = "", ylabel: str = "", size: tuple[int, int] = (760, 440)) -> Path:
-    """Write a PNG with one line (and point markers) per series of (x, y) points."""
+def line_chart(series: dict[str, list[tuple[float, float]]], *, title: str = "", xlabel: str = "",
+               ylabel: str = "", size: tuple[int, int] = (760, 440)):
+    """A PIL image with one line (and point markers) per series of (x, y) points."""
     from PIL import Image, ImageDraw, ImageFont
 
     points = [p for pts in series.values() for p in pts]
@@ -77,9 +76,4 @@ def line_chart(series: dict[str, list[tuple[float, float]]], path: str | Path, *
             ly = top + 8 + 20 * i
             d.line([(W - right + 12, ly), (W - right + 32, ly)], fill=colour, width=2)
             d.text((W - right + 38, ly), name, fill="black", font=small, anchor="lm")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    img.save(tmp, format="PNG")
-    tmp.replace(path)
-    return path
+    return img

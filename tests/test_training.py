@@ -179,6 +179,43 @@ def test_early_stopping_on_a_max_metric(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "best").resolve().name == "step_00000006"
 
 
+def test_ties_on_the_monitor_go_to_the_tiebreakers(tmp_path):
+    """ExpRate stays 0 for the first epochs of a BTTR run: <=1 errors then decides the best."""
+    r = toy_task.recipe(max_epochs=4, patience=None, scheduler="plateau", plateau_patience=0,
+                        plateau_factor=0.5)
+    scores = [(0.0, 1.0), (0.0, 3.0), (0.0, 2.0), (0.0, 2.0)]
+
+    class Tied(toy_task.ToyTask):
+        monitor, monitor_mode = "accuracy", "max"
+        monitor_tiebreak = (("near", "max"), ("loss", "min"))
+        calls = 0
+
+        def score(self, predictions):
+            Tied.calls += 1
+            acc, near = scores[Tied.calls - 1]
+            return {"accuracy": acc, "near": near}
+
+    s = run(r, tmp_path / "run", task=Tied(r))
+    assert s["best_step"] == 12 and s["best"] == 0.0  # epoch 2: the most near misses
+    state = json.loads((tmp_path / "run" / "checkpoints" / "last" / "trainer_state.json").read_text())
+    assert state["best_key"][:2] == [0.0, 3.0] and state["bad_evals"] == 2
+    # plateau halves the lr after each of the two evaluations that did not beat epoch 2
+    assert state["schedule"]["plateau_scale"] == pytest.approx(0.25)
+    with pytest.raises(TellkitError, match="monitors 'near'"):
+        Tied(r).monitor_key({"accuracy": 1.0, "loss": 0.0})
+
+
+def test_plateau_state_saved_before_tiebreakers_still_loads():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=1.0)
+    plat = LRSchedule(TrainConfig(lr=1.0, scheduler="plateau", plateau_patience=0), opt, 10, "min")
+    plat.load_state_dict({"plateau_scale": 1.0, "plateau_best": 2.0, "plateau_bad": 0})  # a bare loss
+    plat.on_eval((-2.0, 5.0))  # same loss, a tie-breaker on top: better than the bare value
+    assert plat.plateau_scale == 1.0 and plat.plateau_best == [-2.0, 5.0]
+    plat.on_eval(2.5)  # a worse bare loss
+    assert plat.plateau_scale == 0.5
+
+
 def test_optimizer_state_round_trip_without_pickle(tmp_path):
     p = torch.nn.Parameter(torch.randn(3))
     opt = torch.optim.AdamW([p], lr=0.1)

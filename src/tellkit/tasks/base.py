@@ -23,6 +23,8 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
+from tellkit.errors import TellkitError
+
 
 class Task:
     """Subclass, decorate with ``@register_task("name")`` and fill in the hooks."""
@@ -72,6 +74,17 @@ class Task:
     # a monitor other than "loss" makes validation generate (predict) and score
     monitor: str = "loss"
     monitor_mode: str = "min"
+    # further (metric, mode) pairs that order evaluations whose monitor ties (ExpRate 0 early on)
+    monitor_tiebreak: tuple[tuple[str, str], ...] = ()
+
+    def monitor_key(self, metrics: Mapping[str, float]) -> tuple[float, ...]:
+        """The monitor, then its tie-breakers, signed so that a larger tuple is better."""
+        key = []
+        for name, mode in ((self.monitor, self.monitor_mode), *self.monitor_tiebreak):
+            if name not in metrics:
+                raise TellkitError(f"task '{self.name}' monitors '{name}' but validation gave {sorted(metrics)}")
+            key.append(float(metrics[name]) if mode == "max" else -float(metrics[name]))
+        return tuple(key)
     # DDP: True when some parameters may get no gradient in a step (unused contexts, adaptive
     # softmax tails); False is faster for models that always use every parameter
     ddp_find_unused_parameters: bool = True

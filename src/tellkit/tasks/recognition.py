@@ -119,6 +119,8 @@ def make_renderer(data: RecognitionData, root: Path | None = None):
 class RecognitionTask(Task):
     monitor = "exprate"
     monitor_mode = "max"
+    # early on ExpRate is 0 for several epochs: ties go to <=1, <=2 errors, then validation loss
+    monitor_tiebreak = (("exprate_le1", "max"), ("exprate_le2", "max"), ("loss", "min"))
     ddp_find_unused_parameters = False
 
     def __init__(self, recipe):

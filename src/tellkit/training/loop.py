@@ -29,7 +29,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from itertools import islice
@@ -97,15 +97,19 @@ class LRSchedule:
             g["lr"] = base * f
         return self.opt.param_groups[0]["lr"]
 
-    def on_eval(self, value: float) -> None:
+    def as_key(self, value: float | Sequence[float] | None) -> tuple[float, ...] | None:
+        """A bare monitor value (older states, callers without tie-breakers) as a signed key."""
+        if value is None or isinstance(value, (list, tuple)):
+            return None if value is None else tuple(value)
+        return (float(value) if self.mode == "max" else -float(value),)
+
+    def on_eval(self, key: float | Sequence[float]) -> None:
+        """``key``: the monitor value, or ``Task.monitor_key`` (larger is better)."""
         if self.cfg.scheduler != "plateau":
             return
-        if self.plateau_best is None:
-            better = True
-        else:
-            better = value < self.plateau_best if self.mode == "min" else value > self.plateau_best
-        if better:
-            self.plateau_best, self.plateau_bad = value, 0
+        key, best = self.as_key(key), self.as_key(self.plateau_best)
+        if best is None or key > best:
+            self.plateau_best, self.plateau_bad = list(key), 0
         else:
             self.plateau_bad += 1
             if self.plateau_bad > self.cfg.plateau_patience:
@@ -236,6 +240,7 @@ class TrainerState:
     epoch: int = 0
     pos: int = 0  # global batches of this epoch already used (over all processes)
     best: float | None = None
+    best_key: list[float] | None = None  # Task.monitor_key of the best evaluation
     best_step: int | None = None
     bad_evals: int = 0
     last_eval_step: int | None = None
@@ -563,15 +568,15 @@ class Trainer:
         metrics, _ = run_eval(task, self.model, self.val_set, "val", dist, batch_size=self.cfg.batch_size,
                               num_workers=self.cfg.num_workers, amp_dtype=self.amp_dtype,
                               generate=task.monitor != "loss", progress=self.progress)
-        if task.monitor not in metrics:
-            raise TellkitError(f"task '{task.name}' monitors '{task.monitor}' but validation gave {sorted(metrics)}")
-        value = metrics[task.monitor]
-        better = st.best is None or (value < st.best if task.monitor_mode == "min" else value > st.best)
+        value, key = metrics[task.monitor], task.monitor_key(metrics)
+        # ties on the monitor go to the tie-breakers; a state saved before them holds only ``best``
+        best_key = st.best_key or (None if st.best is None else self.schedule.as_key(st.best))
+        better = best_key is None or key > tuple(best_key)
         if better:
-            st.best, st.best_step, st.bad_evals = value, st.step, 0
+            st.best, st.best_key, st.best_step, st.bad_evals = value, list(key), st.step, 0
         else:
             st.bad_evals += 1
-        self.schedule.on_eval(value)
+        self.schedule.on_eval(key)
         if dist.is_main:
             for k, v in metrics.items():
                 self.eval_csv.write({"step": st.step, "epoch": st.epoch, "split": "val", "metric": k, "value": v})

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -130,6 +131,30 @@ def test_resume_after_crash_gives_identical_weights(tmp_path):
     # the CSV log was cut back to the resumed step, so no step appears twice
     steps = [int(x["step"]) for x in csv.DictReader(open(tmp_path / "broken" / "train_log.csv"))]
     assert steps == list(range(1, 13))
+
+
+def test_resume_with_other_batches_says_so(tmp_path, capsys):
+    """Code that batches differently (a new sampler, other data) cannot continue an epoch exactly:
+    the resume goes on, and the log says what happened to the interrupted epoch."""
+    r = toy_task.recipe(max_epochs=2)
+    crashing = toy_task.ToyTask(r)
+    crashing.crash_after_batches = 6 + 2 + 2
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(r, tmp_path / "run", task=crashing, save_every_steps=4)
+
+    class Reordered(toy_task.ToyTask):
+        def batch_sampler(self, dataset, split, *, shuffle, seed, epoch):
+            order = list(range(len(dataset)))[::-1]
+            return [order[i : i + 4] for i in range(0, len(order), 4)]
+
+    shutil.copytree(tmp_path / "run", tmp_path / "same", symlinks=True)
+    capsys.readouterr()
+    run(r, tmp_path / "same", resume=True)
+    assert "differ from those" not in capsys.readouterr().out
+    summary = run(r, tmp_path / "run", resume=True, task=Reordered(r))
+    out = capsys.readouterr().out
+    assert "warning: the batches of epoch 1 differ from those this run was saved with" in out
+    assert "from batch 2 of the new order" in out and summary["steps"] == 12
 
 
 def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, monkeypatch):

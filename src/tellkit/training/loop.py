@@ -154,6 +154,15 @@ def epoch_batches(task: Task, dataset, cfg: TrainConfig, epoch: int, world: int)
     return batches[: len(batches) - len(batches) % world]
 
 
+def batch_plan_digest(batches: list[list[int]]) -> str:
+    """A short digest of an epoch's batches, saved with the state so a resume can tell whether it
+    continues the same order."""
+    import hashlib
+
+    flat = [[int(i) for i in b] for b in batches]
+    return hashlib.sha1(json.dumps(flat, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
 class _CsvLog:
     """Append-only CSV; on resume, rows after the resumed step are dropped (they are redone)."""
 
@@ -245,6 +254,7 @@ class TrainerState:
     bad_evals: int = 0
     last_eval_step: int | None = None
     world: int = 1
+    plan: str | None = None  # batch_plan_digest of the current epoch's batches
     window_loss: float = 0.0  # loss x tokens summed since the last log row (restored on resume,
     window_tokens: float = 0.0  # so the first row after a resume equals the unbroken run's)
 
@@ -458,6 +468,13 @@ class Trainer:
         """The rest of the current epoch; a stop reason, or None when the epoch is done."""
         st, cfg, dist = self.state, self.cfg, self.dist
         batches = epoch_batches(self.task, self.train_set, cfg, st.epoch, dist.world)
+        plan = batch_plan_digest(batches)
+        if st.pos and st.plan is not None and st.plan != plan and dist.is_main:
+            self.log(f"warning: the batches of epoch {st.epoch} differ from those this run was saved with "
+                     f"(the data, its order or the batching changed; {len(batches)} batches now): the epoch "
+                     f"goes on from batch {st.pos} of the new order, so this epoch may see some samples "
+                     "twice and others not at all; later epochs are whole")
+        st.plan = plan
         mine = batches[st.pos + dist.rank :: dist.world]
         loader = make_loader(self.task, self.train_set, mine, cfg.num_workers,
                              cfg.seed * 1_000_003 + st.epoch * 1009 + st.pos, dist.device.type == "cuda")

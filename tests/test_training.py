@@ -318,6 +318,36 @@ def test_export_half_precision_inference_checkpoint(tmp_path):
     assert all(t.dtype == torch.float16 for t in load_file(str(out / "model.safetensors")).values())
 
 
+def test_cli_export_writes_replaces_and_refuses(tmp_path, capsys):
+    from tellkit import load_model
+    from tellkit.cli import main
+
+    run(toy_task.recipe(max_epochs=1), tmp_path / "run")
+    out = tmp_path / "packaged"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out), "--note", "trained_on=toy"]) == 0
+    assert "float16 weights" in capsys.readouterr().out
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["note"] == {"trained_on": "toy"} and meta["weights_dtype"] == "float16"
+    before = (out / "model.safetensors").read_bytes()
+    # bad input: one line, exit 2, the existing folder untouched
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 2
+    assert "not empty (use --replace" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "o"), "--note", "x"]) == 2
+    assert main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "other"), "--replace"]) == 2
+    assert "not a checkpoint folder" in capsys.readouterr().err
+    assert (tmp_path / "other" / "notes.txt").read_text() == "mine" and not (tmp_path / "o").exists()
+    assert (out / "model.safetensors").read_bytes() == before
+    # --replace swaps in a whole new checkpoint (here float32) and leaves no staging folders
+    assert main(["export", str(tmp_path / "run"), "--out", str(out), "--replace", "--float32"]) == 0
+    assert json.loads((out / "config.json").read_text())["weights_dtype"] == "float32"
+    assert "note" not in json.loads((out / "config.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "packaged", "run"]
+    assert next(load_model(out).parameters()).dtype == torch.float32
+
+
 def test_init_from_starts_a_new_run_from_trained_weights(tmp_path):
     """train.init_from (staged training / fine-tuning): the weights come from the checkpoint,
     the optimizer and schedule start fresh; another model shape is refused with a clear error."""

@@ -340,8 +340,12 @@ def test_cli_export_writes_replaces_and_refuses(tmp_path, capsys):
     assert "not a checkpoint folder" in capsys.readouterr().err
     assert (tmp_path / "other" / "notes.txt").read_text() == "mine" and not (tmp_path / "o").exists()
     assert (out / "model.safetensors").read_bytes() == before
-    # --replace swaps in a whole new checkpoint (here float32) and leaves no staging folders
+    # --replace swaps in a whole new checkpoint (here float32), keeps the folder's other files
+    # (a packaged model's README) and leaves no staging folders
+    (out / "README.md").write_text("about the model")
     assert main(["export", str(tmp_path / "run"), "--out", str(out), "--replace", "--float32"]) == 0
+    assert "kept from the replaced folder: README.md" in capsys.readouterr().out
+    assert (out / "README.md").read_text() == "about the model"
     assert json.loads((out / "config.json").read_text())["weights_dtype"] == "float32"
     assert "note" not in json.loads((out / "config.json").read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other", "packaged", "run"]

@@ -14,7 +14,8 @@ def add_arguments(p) -> None:
     p.add_argument("--note", action="append", default=[], metavar="KEY=VALUE",
                    help="provenance stored under 'note' in config.json, repeatable (e.g. trained_on=crohme)")
     p.add_argument("--replace", action="store_true",
-                   help="replace an existing checkpoint folder at --out (swapped in whole once written)")
+                   help="replace an existing checkpoint folder at --out (swapped in once written; "
+                   "its other files, e.g. a README, are kept)")
 
 
 def _notes(items: list[str]) -> dict[str, str]:
@@ -54,7 +55,12 @@ def run(args) -> int:
     shutil.rmtree(staging, ignore_errors=True)
     try:
         export_checkpoint(src, staging, half=not args.float32, note=notes or None)
-        if out.is_dir():
+        kept = []
+        if out.is_dir():  # files of the old folder that the export does not write (a README) stay
+            for f in sorted(out.iterdir()):
+                if not (staging / f.name).exists():
+                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, staging / f.name)
+                    kept.append(f.name)
             old = out.with_name(out.name + ".export-old")
             shutil.rmtree(old, ignore_errors=True)
             out.rename(old)
@@ -66,4 +72,6 @@ def run(args) -> int:
         shutil.rmtree(staging, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"wrote {out} ({size / 1e6:.1f} MB, {'float32' if args.float32 else 'float16'} weights) from {src}")
+    if kept:
+        print(f"kept from the replaced folder: {', '.join(kept)} (they may describe the old model)")
     return 0

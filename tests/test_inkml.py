@@ -242,7 +242,8 @@ def test_training_throughput_bench_runs_on_inkml(shared_data, monkeypatch):
     monkeypatch.setenv("TELLKIT_SHARED_DATA", str(shared_data))
     res = bench_train(recipe="bttr/tiny", n_expressions=12, warmup=0)
     assert set(res["variants"]) == {"reference", "area_sorted_channels_last", "shape_sorted",
-                                    "shape_sorted_channels_last", "shape_sorted_cap_640k"}
+                                    "shape_sorted_channels_last", "shape_sorted_cap_640k",
+                                    "shape_sorted_channels_last_fast_dropout"}
     for v in res["variants"].values():
         assert v["images_per_s"] > 0 and v["padding_waste"] >= 0 and v["images"] == 12  # all, every variant
     assert res["speedup_images_per_s"]["reference"] == 1.0

@@ -308,3 +308,38 @@ def test_logits_loss_is_mean_cross_entropy_over_real_targets():
     assert torch.allclose(reg["loss"], want + 0.5, atol=1e-6) and torch.allclose(reg["nll_bits"], out["nll_bits"])
     empty = logits_loss(logits, torch.full((2, 5), -100), ignore_index=-100)
     assert int(empty["ntokens"]) == 0 and float(empty["loss"]) == 0.0
+
+
+def test_fast_dropout_has_the_distribution_of_dropout():
+    from tellkit.layers.dropout import FastDropout, fast_dropout
+
+    torch.manual_seed(0)
+    x = torch.ones(64, 24, 32, 40)
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        y = fast_dropout(x.contiguous(memory_format=fmt), 0.2)
+        assert y.is_contiguous(memory_format=fmt) and y.shape == x.shape
+        kept = y != 0
+        # p rounded to a multiple of 1/32768; 2M draws: standard error of the rate ~3e-4
+        assert abs(kept.float().mean().item() - (1 - 6554 / 32768)) < 2e-3
+        assert torch.allclose(y[kept], torch.full_like(y[kept], 32768 / (32768 - 6554)))
+        assert abs(y.mean().item() - 1.0) < 3e-3  # expectation preserved
+        # no structure: rows and channels drop independently (compare halves of the tensor)
+        assert abs(kept[:, :12].float().mean().item() - kept[:, 12:].float().mean().item()) < 4e-3
+    # reproducible from the default generator, different on the next draw
+    torch.manual_seed(5)
+    a = fast_dropout(x, 0.3)
+    torch.manual_seed(5)
+    assert torch.equal(a, fast_dropout(x, 0.3)) and not torch.equal(a, fast_dropout(x, 0.3))
+    # the gradient is the mask times the scale
+    w = torch.randn(3, 5, 7, requires_grad=True)
+    out = fast_dropout(w, 0.5)
+    out.sum().backward()
+    assert torch.equal(w.grad, (out != 0).float() * 2.0)
+    # eval, p = 0, p = 1 and a strided view behave like nn.Dropout
+    m = FastDropout(0.4).eval()
+    assert m(x) is x and fast_dropout(x, 0.0) is x
+    assert not fast_dropout(x, 1.0).any()
+    view = x[:, :, ::2]
+    assert abs((fast_dropout(view, 0.5) != 0).float().mean().item() - 0.5) < 5e-3
+    with pytest.raises(ValueError):
+        FastDropout(1.5)

@@ -11,6 +11,9 @@ size, fresh weights, same thread count):
   channels-first.
 * ``shape_sorted_channels_last``: the same, channels-last.
 * ``shape_sorted_cap_640k``: shape-sorted with twice the pixel cap (bigger batches per step).
+* ``shape_sorted_channels_last_fast_dropout``: shape-sorted, channels-last, and the DenseNet's
+  dropout masks drawn by ``tellkit.layers.dropout`` (15-bit words from 64-bit draws) instead of
+  one ``bernoulli_`` sample per element. Every other variant uses ``F.dropout``, as the reference.
 Each reports the padding waste (padded pixels / real pixels - 1) as well.
 
 The expressions come from ``$TELLKIT_SHARED_DATA/crohme_inkml/train`` (a seeded sample),
@@ -36,14 +39,19 @@ def _data_root() -> Path:
     return root
 
 
-def _variant(model_fn, samples, batches, channels_last: bool, warmup: int) -> dict[str, float]:
+def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
+             fast_dropout: bool = False) -> dict[str, float]:
     """One warm-up step on the first batch (not timed), then one timed pass over ALL batches, so
     every variant trains on exactly the same images."""
     import torch
 
     from tellkit.data.crohme import collate
+    from tellkit.layers.dropout import FastDropout
 
     model = model_fn()
+    for m in model.modules():
+        if isinstance(m, FastDropout):
+            m.fast = fast_dropout
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     model.encoder.densenet.to(memory_format=fmt)
     model.train()
@@ -110,6 +118,8 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
         "shape_sorted": _variant(model_fn, samples, batches("shape", cap), False, warmup),
         "shape_sorted_channels_last": _variant(model_fn, samples, batches("shape", cap), True, warmup),
         "shape_sorted_cap_640k": _variant(model_fn, samples, batches("shape", 2 * cap), False, warmup),
+        "shape_sorted_channels_last_fast_dropout": _variant(model_fn, samples, batches("shape", cap), True, warmup,
+                                                            fast_dropout=True),
     }
     base = results["reference"]["images_per_s"]
     return {

@@ -31,6 +31,7 @@ from torch import nn
 from tellkit.checkpoint import PretrainedMixin
 from tellkit.decoding.state import IncrementalDecoder, RowContext, reorder_state
 from tellkit.layers.attention import MultiheadAttention, ProjectedKV, causal_mask
+from tellkit.layers.dropout import FastDropout
 from tellkit.layers.loss import logits_loss
 from tellkit.layers.positional import SinusoidalPositions
 from tellkit.registry import register_model
@@ -98,7 +99,7 @@ class Bottleneck(nn.Module):
         self.bn1 = nn.BatchNorm2d(4 * growth)
         self.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(growth)
-        self.drop = nn.Dropout(dropout)
+        self.drop = FastDropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         h = _masked(self.drop(F.relu(self.bn1(self.conv1(x)))), mask)
@@ -113,7 +114,7 @@ class Transition(nn.Module):
         super().__init__()
         self.conv = nn.Conv2d(cin, cout, 1, bias=False)
         self.bn = nn.BatchNorm2d(cout)
-        self.drop = nn.Dropout(dropout)
+        self.drop = FastDropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return F.avg_pool2d(_masked(self.drop(F.relu(self.bn(self.conv(x)))), mask), 2, ceil_mode=True)
@@ -128,7 +129,7 @@ class PreactBottleneck(nn.Module):
         self.conv1 = nn.Conv2d(cin, 4 * growth, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(4 * growth)
         self.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
-        self.drop = nn.Dropout(dropout)
+        self.drop = FastDropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         h = self.conv1(F.relu(self.bn1(x)))

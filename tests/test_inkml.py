@@ -247,6 +247,8 @@ def test_training_throughput_bench_runs_on_inkml(shared_data, monkeypatch):
     for v in res["variants"].values():
         assert v["images_per_s"] > 0 and v["padding_waste"] >= 0 and v["images"] == 12  # all, every variant
     assert res["speedup_images_per_s"]["reference"] == 1.0
+    paired = res["dropout_paired"]
+    assert paired["pairs"] >= 1 and paired["min_speedup"] <= paired["median_speedup"] <= paired["max_speedup"]
 
 
 def test_training_throughput_bench_needs_the_data(monkeypatch):

@@ -16,6 +16,11 @@ size, fresh weights, same thread count):
   one ``bernoulli_`` sample per element. Every other variant uses ``F.dropout``, as the reference.
 Each reports the padding waste (padded pixels / real pixels - 1) as well.
 
+Run-to-run noise on a shared CPU is about as large as some of these differences, so the dropout
+change is also measured as a paired comparison (``dropout_paired``): one model, the same
+shape-sorted batches, each batch timed with both kinds of dropout back to back (alternating which
+goes first); the figure is the median over batches of the per-batch time ratio.
+
 The expressions come from ``$TELLKIT_SHARED_DATA/crohme_inkml/train`` (a seeded sample),
 rendered with the recipe's renderer (``configs/bttr/crohme_cpu.yaml`` by default).
 """
@@ -80,8 +85,46 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
             "padding_waste": padded / max(real, 1) - 1.0, "seconds": dt}
 
 
+def _dropout_paired(model_fn, samples, batches, rounds: int = 2) -> dict[str, Any]:
+    import statistics
+
+    import torch
+
+    from tellkit.data.crohme import collate
+    from tellkit.layers.dropout import FastDropout
+
+    model = model_fn()
+    model.encoder.densenet.to(memory_format=torch.channels_last)
+    model.train()
+    drops = [m for m in model.modules() if isinstance(m, FastDropout)]
+
+    def timed(b, fast: bool) -> float:
+        for m in drops:
+            m.fast = fast
+        t0 = time.perf_counter()
+        model({**b, "image": b["image"].contiguous(memory_format=torch.channels_last)})["loss"].backward()
+        dt = time.perf_counter() - t0
+        model.zero_grad(set_to_none=True)
+        return dt
+
+    timed(collate([samples[j] for j in batches[0]]), True)  # warm-up
+    ratios, plain, fast = [], 0.0, 0.0
+    for r in range(rounds):
+        for i, idx in enumerate(batches):
+            b = collate([samples[j] for j in idx])
+            first = (i + r) % 2 == 0
+            t1 = timed(b, first)
+            t2 = timed(b, not first)
+            tf, tp = (t1, t2) if first else (t2, t1)
+            ratios.append(tp / tf)
+            plain, fast = plain + tp, fast + tf
+    return {"pairs": len(ratios), "median_speedup": statistics.median(ratios),
+            "min_speedup": min(ratios), "max_speedup": max(ratios),
+            "seconds_f_dropout": plain, "seconds_fast_dropout": fast}
+
+
 def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup: int = 1,
-                threads: int | None = None, seed: int = 0) -> dict[str, Any]:
+                threads: int | None = None, seed: int = 0, paired_batches: int = 12) -> dict[str, Any]:
     import torch
 
     from tellkit.config import load_yaml
@@ -121,6 +164,7 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
         "shape_sorted_channels_last_fast_dropout": _variant(model_fn, samples, batches("shape", cap), True, warmup,
                                                             fast_dropout=True),
     }
+    paired = _dropout_paired(model_fn, samples, batches("shape", cap)[:paired_batches], rounds=1)
     base = results["reference"]["images_per_s"]
     return {
         "model": "bttr",
@@ -133,6 +177,7 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
         "max_batch_pixels": cap,
         "variants": results,
         "speedup_images_per_s": {k: v["images_per_s"] / base for k, v in results.items()},
+        "dropout_paired": paired,
     }
 
 

@@ -343,3 +343,12 @@ def test_fast_dropout_has_the_distribution_of_dropout():
     assert abs((fast_dropout(view, 0.5) != 0).float().mean().item() - 0.5) < 5e-3
     with pytest.raises(ValueError):
         FastDropout(1.5)
+
+
+def test_fast_dropout_traces_under_torch_compile():
+    """Inside a compiled graph it is F.dropout (whole graph, no break at the int16 view)."""
+    from tellkit.layers.dropout import fast_dropout
+
+    f = torch.compile(lambda t: fast_dropout(t, 0.5), backend="eager", fullgraph=True)
+    y = f(torch.ones(4, 6, 8, 10))
+    assert set(y.unique().tolist()) <= {0.0, 2.0} and 0 < (y == 0).sum() < y.numel()

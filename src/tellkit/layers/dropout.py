@@ -10,8 +10,8 @@ rounded to a multiple of 1/32768 (p = 0.2 becomes 0.20001), surviving elements s
 ``1 / (1 - p)`` as usual. Random numbers come from the default CPU generator, so
 ``torch.manual_seed`` and checkpointed RNG states make it reproducible.
 
-Elsewhere (CUDA, which has fused dropout kernels; tensors that are neither contiguous nor
-channels-last) it is ``F.dropout``.
+Elsewhere (CUDA, which has fused dropout kernels; inside ``torch.compile``; tensors that are
+neither contiguous nor channels-last) it is ``F.dropout``.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def fast_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tens
     if not training or p == 0.0:
         return x
     dense = x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
-    if x.device.type != "cpu" or not dense or p == 1.0:
+    # compiled graphs draw their own fused random numbers
+    if x.device.type != "cpu" or not dense or p == 1.0 or torch.compiler.is_compiling():
         return F.dropout(x, p, True)
     threshold = round(p * _LEVELS)
     keep = _keep_mask(x, threshold)

@@ -258,3 +258,47 @@ def test_training_throughput_bench_needs_the_data(monkeypatch):
     monkeypatch.delenv("TELLKIT_SHARED_DATA", raising=False)
     with pytest.raises(TellkitError, match="TELLKIT_SHARED_DATA"):
         bench_train(recipe="bttr/tiny")
+
+
+# --- bitmaps brought to the scale of the renders ---------------------------------------------------
+def test_ink_components_match_skimage_labelling():
+    from skimage.measure import label, regionprops
+
+    from tellkit.data.crohme import ink_component_sizes
+
+    rng = np.random.default_rng(3)
+    for density in (0.05, 0.3, 0.55):
+        a = (rng.random((37, 53)) < density).astype(np.float32)
+        want = sorted(max(r.bbox[2] - r.bbox[0], r.bbox[3] - r.bbox[1])
+                      for r in regionprops(label(a > 0.5, connectivity=2)) if r.area >= 4)
+        assert sorted(ink_component_sizes(a).tolist()) == want
+    # touching only at a corner is one component; a one-pixel gap is two
+    a = np.zeros((6, 6), np.float32)
+    a[0:2, 0:2] = a[2:4, 2:4] = 1
+    assert ink_component_sizes(a).tolist() == [4]
+    a[2:4, 2:4], a[3:5, 3:5] = 0, 1
+    assert sorted(ink_component_sizes(a).tolist()) == [2, 2]
+
+
+def test_bitmaps_for_an_inkml_model_come_to_the_render_scale():
+    """A render of the sample enlarged 2.6x (a bigger scan of the same handwriting) is brought
+    back to about the size the renderer gives it; a bitmap-trained model's scaling is unchanged."""
+    from PIL import Image
+
+    from tellkit.pipelines.recognition import SAMPLE_INKML, Recognizer
+    from tellkit.registry import create_model
+
+    data = {"layout": "inkml", "render": {"stroke_size": 16, "line_width": 2.0}}
+    rec = Recognizer(create_model("bttr/tiny"), data, {})
+    direct = rec.prepare(SAMPLE_INKML)
+    im = render_strokes(read_inkml(SAMPLE_INKML).strokes, rec.data.render_config())
+    big = im.resize((round(im.width * 2.6), round(im.height * 2.6)), Image.BICUBIC)
+
+    def ink_box(t):
+        ys, xs = np.nonzero(t[0].numpy() > 0.5)
+        return ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+
+    (h0, w0), (h1, w1) = ink_box(direct), ink_box(rec.prepare(big))
+    assert abs(h1 / h0 - 1) < 0.12 and abs(w1 / w0 - 1) < 0.12, ((h0, w0), (h1, w1))
+    plain = Recognizer(create_model("bttr/tiny"), {"layout": "tsv", "scale": 1.0}, {})
+    assert ink_box(plain.prepare(big))[0] > 2 * h0  # bitmap-trained: no change of scale

@@ -153,14 +153,61 @@ def load_split(root: str | os.PathLike, split: str, layout: str = "tsv",
 
 
 # --- images -----------------------------------------------------------------------------------
+def ink_component_sizes(ink: np.ndarray, threshold: float = 0.5, min_pixels: int = 4) -> np.ndarray:
+    """The longer bounding-box side (pixels) of each 8-connected ink component of ``ink``
+    ([H, W], ink high), ignoring specks of fewer than ``min_pixels`` pixels. Components are
+    found from the runs of ink on each row (a run joins the runs of the row above it touches)."""
+    b = np.asarray(ink) > threshold
+    parent: list[int] = []
+    boxes: list[list[int]] = []  # per run: y0, y1, x0, x1, pixels
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    edge = np.zeros(b.shape[1] + 2, dtype=np.int8)
+    above: list[tuple[int, int, int]] = []  # runs of the previous row: (first, end, id)
+    for y in range(b.shape[0]):
+        edge[1:-1] = b[y]
+        d = np.diff(edge)
+        runs: list[tuple[int, int, int]] = []
+        j = 0
+        for s, e in zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()):
+            rid = len(parent)
+            parent.append(rid)
+            boxes.append([y, y, s, e - 1, e - s])
+            while j < len(above) and above[j][1] < s:  # ends left of this run's left neighbour
+                j += 1
+            k = j
+            while k < len(above) and above[k][0] <= e:  # starts at most at this run's right neighbour
+                a, r = root(above[k][2]), root(rid)
+                if a != r:
+                    parent[r] = a
+                k += 1
+            runs.append((s, e, rid))
+        above = runs
+    comps: dict[int, list[int]] = {}
+    for i, (y0, y1, x0, x1, n) in enumerate(boxes):
+        c = comps.setdefault(root(i), [y0, y1, x0, x1, 0])
+        c[0], c[1], c[2], c[3] = min(c[0], y0), max(c[1], y1), min(c[2], x0), max(c[3], x1)
+        c[4] += n
+    return np.array([max(c[1] - c[0], c[3] - c[2]) + 1 for c in comps.values() if c[4] >= min_pixels],
+                    dtype=np.int64)
+
+
 def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool = True,
                scale: float = 1.0, max_side: int = 0, require_ink: bool = False, max_pixels: int = 0,
-               fit_pixels: int = 0) -> torch.Tensor:
+               fit_pixels: int = 0, component_size: float = 0.0) -> torch.Tensor:
     """Read an image (dark ink on a light background, or the reverse) -> float [1, H, W] with
     ink 1 and background 0, padded to a multiple of 16. ``image``: a PIL image instead of a path.
     ``max_pixels``: refuse larger files from their header, before decoding (decompression
     bombs; files go through :func:`tellkit.utils.images.open_image`, whose own default cap applies
-    when this is 0); ``fit_pixels``: after cropping and scaling, shrink to at most this many pixels."""
+    when this is 0); ``component_size``: instead of ``scale``, scale so that the median ink
+    component (:func:`ink_component_sizes`) is this many pixels, i.e. bring handwriting of any
+    resolution to the size of a model's training renders; ``fit_pixels``: after cropping and
+    scaling, shrink to at most this many pixels."""
     from PIL import Image
 
     if image is None:
@@ -194,6 +241,10 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
             a = a[max(ys.min() - m, 0): ys.max() + m + 1, max(xs.min() - m, 0): xs.max() + m + 1]
     h, w = a.shape
     f = scale
+    if component_size > 0:
+        sizes = ink_component_sizes(a)
+        if len(sizes):
+            f = component_size / float(np.median(sizes))
     if max_side and max(h, w) * f > max_side:
         f = max_side / max(h, w)
     if fit_pixels and h * w * f * f > fit_pixels:

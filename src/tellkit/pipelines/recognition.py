@@ -5,7 +5,8 @@
 (its recipe's ``data`` section is stored in the checkpoint): InkML files and raw pen strokes
 (the web page's math canvas) go through the same renderer as the InkML training data
 (:mod:`tellkit.data.inkml`); bitmaps are read with the bitmap loader (ink found in either
-polarity, cropped to the ink, scaled as in training). It then runs the batched joint search.
+polarity, cropped to the ink, scaled as in training; for a model trained on InkML renders,
+scaled so that their handwriting is as large as in those renders). It then runs the batched joint search.
 
 Also names the project's own sample expression (``assets/samples/bttr_x2_plus_1.{inkml,png}``,
 hand-made pen strokes; the PNG is their rendering).
@@ -83,12 +84,18 @@ class Recognizer:
             p = Path(item)
             if p.is_dir():
                 raise TellkitError(f"{p}: is a folder; pass image or InkML files")
-            return load_image(p, max_pixels=MAX_INPUT_PIXELS, fit_pixels=self._fit_pixels(), **kw)
-        return load_image(image=item, max_pixels=MAX_INPUT_PIXELS, fit_pixels=self._fit_pixels(), **kw)
+            return load_image(p, max_pixels=MAX_INPUT_PIXELS, **self._bitmap_fit(), **kw)
+        return load_image(image=item, max_pixels=MAX_INPUT_PIXELS, **self._bitmap_fit(), **kw)
 
-    def _fit_pixels(self) -> int:
-        """Bitmaps for a model trained on InkML renders are shrunk to the renderer's pixel cap."""
-        return int(self.data.render_config().max_pixels) if self.data.layout == "inkml" else 0
+    def _bitmap_fit(self) -> dict[str, float]:
+        """Bitmaps for a model trained on InkML renders are brought to the renders' scale (the
+        median ink component as large as a rendered median stroke with its pen: stroke size +
+        pen width + 1 pixel, which is what the renderer's own output measures) and shrunk to
+        the renderer's pixel cap; bitmaps for a bitmap-trained model are scaled as in training."""
+        if self.data.layout != "inkml":
+            return {}
+        rc = self.data.render_config()
+        return {"fit_pixels": int(rc.max_pixels), "component_size": float(rc.stroke_size + rc.line_width + 1)}
 
     def search(self, tensors, **kw):
         import torch

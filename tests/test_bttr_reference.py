@@ -307,23 +307,31 @@ def test_export_to_the_reference_and_back(tmp_path):
     before = ckpt.read_bytes()
     assert main(["convert", str(src), "--to", "reference", "--out", str(ckpt)]) == 2
     assert ckpt.read_bytes() == before
-    from tellkit.pipelines.recognition import DEFAULT_CHECKPOINT
-
-    assert main(["convert", str(DEFAULT_CHECKPOINT), "--to", "reference", "--out", str(tmp_path / "x.ckpt")]) == 2
+    legacy = _tellkit_0_1_checkpoint(tmp_path / "old")
+    assert main(["convert", str(legacy), "--to", "reference", "--out", str(tmp_path / "x.ckpt")]) == 2
     assert not (tmp_path / "x.ckpt").exists()
 
 
-def test_checkpoints_from_tellkit_0_1_still_load(tmp_path):
-    """A BTTR config.json written by tellkit 0.1 has no 'variant': it loads as the old layout."""
-    import shutil
-
-    from tellkit.checkpoint import load_model
-    from tellkit.pipelines.recognition import DEFAULT_CHECKPOINT
-
-    d = tmp_path / "old"
-    shutil.copytree(DEFAULT_CHECKPOINT, d)
+def _tellkit_0_1_checkpoint(d):
+    """A (tiny) BTTR checkpoint as tellkit 0.1 wrote it: the old layout, no 'variant' in its config."""
+    torch.manual_seed(0)
+    m = create_model("bttr/tiny", variant="tellkit-0.1")
+    m.save_pretrained(d)
     meta = json.loads((d / "config.json").read_text())
     meta["config"].pop("variant", None)
     meta["tellkit_version"] = "0.1.0"
     (d / "config.json").write_text(json.dumps(meta))
-    assert load_model(d).config.variant == "tellkit-0.1"
+    return d
+
+
+def test_checkpoints_from_tellkit_0_1_still_load(tmp_path):
+    """A BTTR config.json written by tellkit 0.1 has no 'variant': it loads as the old layout,
+    with its weights."""
+    from tellkit.checkpoint import load_model
+
+    d = _tellkit_0_1_checkpoint(tmp_path / "old")
+    m = load_model(d)
+    assert m.config.variant == "tellkit-0.1"
+    torch.manual_seed(0)
+    want = create_model("bttr/tiny", variant="tellkit-0.1").state_dict()
+    assert all(torch.equal(m.state_dict()[k], v) for k, v in want.items())

@@ -280,25 +280,38 @@ def test_ink_components_match_skimage_labelling():
     assert sorted(ink_component_sizes(a).tolist()) == [2, 2]
 
 
-def test_bitmaps_for_an_inkml_model_come_to_the_render_scale():
-    """A render of the sample enlarged 2.6x (a bigger scan of the same handwriting) is brought
-    back to about the size the renderer gives it; a bitmap-trained model's scaling is unchanged."""
-    from PIL import Image
+def test_pen_width_and_dilation():
+    from tellkit.data.crohme import _dilate, pen_width
 
+    a = np.zeros((20, 220), np.float32)
+    a[5:8, 10:210] = 1  # a 3 px stroke
+    assert pen_width(a) == pytest.approx(3, rel=0.1) and pen_width(np.zeros((4, 4))) == 0
+    b = _dilate(a, 4)
+    assert pen_width(b) == pytest.approx(7, rel=0.1) and b[a > 0].min() == 1
+
+
+def test_bitmaps_for_an_inkml_model_come_to_the_render_scale():
+    """A large, thin-pen rendering of the sample (a bigger scan of the same handwriting) is
+    brought back to about the size, pen width and margin the renderer gives the strokes; a
+    bitmap-trained model's scaling is unchanged."""
+    from tellkit.data.crohme import pen_width
     from tellkit.pipelines.recognition import SAMPLE_INKML, Recognizer
     from tellkit.registry import create_model
 
-    data = {"layout": "inkml", "render": {"stroke_size": 16, "line_width": 2.0}}
+    data = {"layout": "inkml", "render": {"stroke_size": 16, "line_width": 2.0, "margin": 4}}
     rec = Recognizer(create_model("bttr/tiny"), data, {})
     direct = rec.prepare(SAMPLE_INKML)
-    im = render_strokes(read_inkml(SAMPLE_INKML).strokes, rec.data.render_config())
-    big = im.resize((round(im.width * 2.6), round(im.height * 2.6)), Image.BICUBIC)
+    big = render_strokes(read_inkml(SAMPLE_INKML).strokes, RenderConfig(stroke_size=16 * 2.6, line_width=2.0))
+    scaled = rec.prepare(big)
 
     def ink_box(t):
         ys, xs = np.nonzero(t[0].numpy() > 0.5)
-        return ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
+        return ys.min(), xs.min(), ys.max() - ys.min() + 1, xs.max() - xs.min() + 1
 
-    (h0, w0), (h1, w1) = ink_box(direct), ink_box(rec.prepare(big))
+    (_, _, h0, w0), (y1, x1, h1, w1) = ink_box(direct), ink_box(scaled)
     assert abs(h1 / h0 - 1) < 0.12 and abs(w1 / w0 - 1) < 0.12, ((h0, w0), (h1, w1))
+    assert y1 >= 4 and x1 >= 4  # the renderer's margin
+    # the 2 px pen of the large image would be under 1 px at this scale: it is widened first
+    assert pen_width(scaled[0].numpy()) >= 0.8 * pen_width(direct[0].numpy())
     plain = Recognizer(create_model("bttr/tiny"), {"layout": "tsv", "scale": 1.0}, {})
-    assert ink_box(plain.prepare(big))[0] > 2 * h0  # bitmap-trained: no change of scale
+    assert ink_box(plain.prepare(big))[2] > 2 * h0  # bitmap-trained: no change of scale

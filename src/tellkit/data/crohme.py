@@ -197,9 +197,32 @@ def ink_component_sizes(ink: np.ndarray, threshold: float = 0.5, min_pixels: int
                     dtype=np.int64)
 
 
+def pen_width(ink: np.ndarray, threshold: float = 0.5) -> float:
+    """Estimated pen width in pixels: 2 x ink area / ink perimeter (a stroke of width w and
+    length L has area wL and perimeter about 2L); 0 when there is no ink."""
+    b = np.asarray(ink) > threshold
+    area = int(b.sum())
+    if area == 0:
+        return 0.0
+    p = np.pad(b, 1)
+    edges = int((p[1:] != p[:-1]).sum() + (p[:, 1:] != p[:, :-1]).sum())
+    return 2.0 * area / edges
+
+
+def _dilate(a: np.ndarray, k: int) -> np.ndarray:
+    """Grey-level dilation by a (k+1) x (k+1) square: strokes become k pixels wider."""
+    lo, hi = k // 2, k - k // 2
+    for axis in (0, 1):
+        p = np.pad(a, [(lo, hi) if i == axis else (0, 0) for i in (0, 1)])
+        n = a.shape[axis]
+        a = np.max([np.take(p, range(i, i + n), axis=axis) for i in range(k + 1)], axis=0)
+    return a
+
+
 def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool = True,
                scale: float = 1.0, max_side: int = 0, require_ink: bool = False, max_pixels: int = 0,
-               fit_pixels: int = 0, component_size: float = 0.0) -> torch.Tensor:
+               fit_pixels: int = 0, component_size: float = 0.0, min_pen: float = 0.0,
+               margin: int = 0) -> torch.Tensor:
     """Read an image (dark ink on a light background, or the reverse) -> float [1, H, W] with
     ink 1 and background 0, padded to a multiple of 16. ``image``: a PIL image instead of a path.
     ``max_pixels``: refuse larger files from their header, before decoding (decompression
@@ -207,7 +230,9 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
     when this is 0); ``component_size``: instead of ``scale``, scale so that the median ink
     component (:func:`ink_component_sizes`) is this many pixels, i.e. bring handwriting of any
     resolution to the size of a model's training renders; ``fit_pixels``: after cropping and
-    scaling, shrink to at most this many pixels."""
+    scaling, shrink to at most this many pixels; ``min_pen``: strokes thinner than this many
+    pixels after scaling (a fine pen, or a large scan shrunk) are first thickened to it;
+    ``margin``: background pixels added on every side at the end (as renders have)."""
     from PIL import Image
 
     if image is None:
@@ -249,10 +274,16 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
         f = max_side / max(h, w)
     if fit_pixels and h * w * f * f > fit_pixels:
         f = (fit_pixels / (h * w)) ** 0.5
+    if min_pen > 0:  # widen thin strokes at the source resolution, before resizing smooths them
+        k = round(min_pen / f - pen_width(a))
+        if k >= 1:
+            a = _dilate(a, k)
     if f != 1.0:
         nh, nw = max(1, round(h * f)), max(1, round(w * f))
         a = np.asarray(Image.fromarray((a * 255).astype(np.uint8)).resize((nw, nh), Image.BILINEAR),
                        dtype=np.float32) / 255.0
+    if margin > 0:
+        a = np.pad(a, margin)
     t = torch.from_numpy(np.ascontiguousarray(a))[None]
     return pad_to_stride(t)
 

@@ -91,11 +91,13 @@ class Recognizer:
         """Bitmaps for a model trained on InkML renders are brought to the renders' scale (the
         median ink component as large as a rendered median stroke with its pen: stroke size +
         pen width + 1 pixel, which is what the renderer's own output measures) and shrunk to
-        the renderer's pixel cap; bitmaps for a bitmap-trained model are scaled as in training."""
+        the renderer's pixel cap, with strokes at least as wide as the renderer's pen and the
+        renderer's margin; bitmaps for a bitmap-trained model are scaled as in training."""
         if self.data.layout != "inkml":
             return {}
         rc = self.data.render_config()
-        return {"fit_pixels": int(rc.max_pixels), "component_size": float(rc.stroke_size + rc.line_width + 1)}
+        return {"fit_pixels": int(rc.max_pixels), "component_size": float(rc.stroke_size + rc.line_width + 1),
+                "min_pen": float(rc.line_width), "margin": int(rc.margin)}
 
     def search(self, tensors, **kw):
         import torch

@@ -315,3 +315,22 @@ def test_bitmaps_for_an_inkml_model_come_to_the_render_scale():
     assert pen_width(scaled[0].numpy()) >= 0.8 * pen_width(direct[0].numpy())
     plain = Recognizer(create_model("bttr/tiny"), {"layout": "tsv", "scale": 1.0}, {})
     assert ink_box(plain.prepare(big))[2] > 2 * h0  # bitmap-trained: no change of scale
+
+
+def test_evaluate_on_bitmaps_prepares_them_as_recognize_does(tmp_path):
+    """data.bitmap_fit=true: a bitmap test set is read the way `tellkit recognize` reads bitmaps
+    for a model trained on InkML renders."""
+    from tellkit.data.crohme import CrohmeDataset, Expression
+    from tellkit.pipelines.recognition import SAMPLE_INKML, Recognizer
+    from tellkit.registry import create_model
+    from tellkit.tasks.recognition import data_section
+
+    render = {"stroke_size": 16, "line_width": 2.0}
+    png = tmp_path / "big.png"
+    render_strokes(read_inkml(SAMPLE_INKML).strokes, RenderConfig(stroke_size=40, line_width=1.5)).save(png)
+    rec = Recognizer(create_model("bttr/tiny"), {"layout": "inkml", "render": render}, {})
+    d = data_section({"layout": "tsv", "bitmap_fit": True, "render": render})
+    ds = CrohmeDataset([Expression("big", png, ["x"])], bitmap=d.bitmap_kwargs())
+    assert torch.equal(ds.image(0), rec.prepare(png))
+    plain = CrohmeDataset([Expression("big", png, ["x"])], bitmap=data_section({"layout": "tsv"}).bitmap_kwargs())
+    assert plain.image(0).shape != ds.image(0).shape

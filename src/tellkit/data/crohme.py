@@ -322,9 +322,11 @@ def pad_to_stride(img: torch.Tensor, stride: int = STRIDE) -> torch.Tensor:
 class CrohmeDataset(torch.utils.data.Dataset):
     """Items: ``{"id", "image": [1,H,W], "labels": list[int] (no sos/eos), "tokens"}``."""
 
-    def __init__(self, exprs: Sequence[Expression], vocab: Vocab | None = None, *, crop: bool = True,
-                 scale: float = 1.0, max_side: int = 0, max_pixels: int = 0, max_len: int = 0,
-                 drop_unknown: bool = False, render: Callable[[Expression], torch.Tensor] | None = None):
+    def __init__(self, exprs: Sequence[Expression], vocab: Vocab | None = None, *, max_pixels: int = 0,
+                 max_len: int = 0, drop_unknown: bool = False,
+                 render: Callable[[Expression], torch.Tensor] | None = None, bitmap: dict | None = None):
+        """``render``: strokes -> image for InkML expressions; ``bitmap``: keyword arguments of
+        :func:`load_image` for bitmap expressions (crop, scale, ...; its defaults when None)."""
         self.vocab = vocab or Vocab()
         kept = []
         for e in exprs:
@@ -334,8 +336,8 @@ class CrohmeDataset(torch.utils.data.Dataset):
                 continue
             kept.append(e)
         self.exprs = kept
-        self.crop, self.scale, self.max_side = crop, scale, max_side
-        self.render = render  # InkML expressions: strokes -> image tensor (bitmaps: None)
+        self.bitmap = dict(bitmap or {})
+        self.render = render
         self._sizes: list[tuple[int, int]] | None = None
         self.max_pixels = max_pixels
         if max_pixels:  # the reference drops images over 320,000 pixels
@@ -350,7 +352,7 @@ class CrohmeDataset(torch.utils.data.Dataset):
     def image(self, i: int) -> torch.Tensor:
         if self.render is not None:
             return self.render(self.exprs[i])
-        return load_image(self.exprs[i].image, crop=self.crop, scale=self.scale, max_side=self.max_side)
+        return load_image(self.exprs[i].image, **self.bitmap)
 
     def __getitem__(self, i: int) -> dict:
         e = self.exprs[i]

@@ -67,8 +67,7 @@ class Recognizer:
         from tellkit.data.crohme import load_image
 
         d = self.data
-        kw = dict(crop=bool(d.crop), scale=float(d.scale) if d.layout != "inkml" else 1.0,
-                  max_side=int(d.max_side), require_ink=True)
+        kw = {**d.bitmap_kwargs(trained_on_renders=d.layout == "inkml"), "require_ink": True}
         if isinstance(item, (str, Path)) and Path(item).suffix.lower() == ".inkml":
             from tellkit.data.inkml import read_inkml
 
@@ -84,20 +83,8 @@ class Recognizer:
             p = Path(item)
             if p.is_dir():
                 raise TellkitError(f"{p}: is a folder; pass image or InkML files")
-            return load_image(p, max_pixels=MAX_INPUT_PIXELS, **self._bitmap_fit(), **kw)
-        return load_image(image=item, max_pixels=MAX_INPUT_PIXELS, **self._bitmap_fit(), **kw)
-
-    def _bitmap_fit(self) -> dict[str, float]:
-        """Bitmaps for a model trained on InkML renders are brought to the renders' scale (the
-        median ink component as large as a rendered median stroke with its pen: stroke size +
-        pen width + 1 pixel, which is what the renderer's own output measures) and shrunk to
-        the renderer's pixel cap, with strokes at least as wide as the renderer's pen and the
-        renderer's margin; bitmaps for a bitmap-trained model are scaled as in training."""
-        if self.data.layout != "inkml":
-            return {}
-        rc = self.data.render_config()
-        return {"fit_pixels": int(rc.max_pixels), "component_size": float(rc.stroke_size + rc.line_width + 1),
-                "min_pen": float(rc.line_width), "margin": int(rc.margin)}
+            return load_image(p, max_pixels=MAX_INPUT_PIXELS, **kw)
+        return load_image(image=item, max_pixels=MAX_INPUT_PIXELS, **kw)
 
     def search(self, tensors, **kw):
         import torch

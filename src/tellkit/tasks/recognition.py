@@ -15,6 +15,9 @@ Recipe sections read here (``configs/bttr/*.yaml``), typed as :class:`Recognitio
       crop: true                    # bitmaps only: crop to the ink's bounding box
       scale: 1.0                    # bitmaps only: resize factor after cropping
       max_side: 0                   # bitmaps only: cap on the longer side (0 = none)
+      bitmap_fit: false             # bitmaps only: bring them to the renders' scale, pen and
+                                    # margin instead (for a model trained on InkML; always so
+                                    # in `tellkit recognize` for such a model)
       max_pixels: 320000            # training images above this are dropped (reference)
       max_len: 200                  # training labels above this are dropped (reference)
       max_batch_pixels: 320000      # cap on padded pixels per batch (batch_size from train:)
@@ -50,6 +53,7 @@ class RecognitionData:
     crop: bool = True
     scale: float = 1.0
     max_side: int = 0
+    bitmap_fit: bool = False
     max_pixels: int = 320_000
     max_len: int = 200
     max_batch_pixels: int = 320_000
@@ -67,6 +71,20 @@ class RecognitionData:
         from tellkit.data.inkml import RenderConfig
 
         return from_dict(RenderConfig, self.render or {}, "data.render")
+
+    def bitmap_kwargs(self, trained_on_renders: bool = False) -> dict[str, Any]:
+        """How :func:`tellkit.data.crohme.load_image` prepares a bitmap for this model. Bitmaps
+        for a model trained on InkML renders (``trained_on_renders``, or ``bitmap_fit``) are
+        brought to the renders' scale (the median ink component as large as a rendered median
+        stroke with its pen: stroke size + pen width + 1 pixel, which is what the renderer's own
+        output measures), with strokes at least as wide as the renderer's pen, the renderer's
+        margin, and at most its pixel cap; otherwise ``crop``, ``scale`` and ``max_side``."""
+        kw: dict[str, Any] = {"crop": bool(self.crop), "max_side": int(self.max_side)}
+        if not (trained_on_renders or self.bitmap_fit):
+            return {**kw, "scale": float(self.scale)}
+        rc = self.render_config()
+        return {**kw, "fit_pixels": int(rc.max_pixels), "component_size": float(rc.stroke_size + rc.line_width + 1),
+                "min_pen": float(rc.line_width), "margin": int(rc.margin)}
 
     def cache_dir(self) -> Path | None:
         from tellkit.data.inkml import default_cache_dir
@@ -160,7 +178,7 @@ class RecognitionTask(Task):
             exprs = random.Random(1234).sample(exprs, limit)
         is_train = split == "train"
         render = make_renderer(d, root) if d.layout == "inkml" else None
-        return CrohmeDataset(exprs, self.vocab, crop=d.crop, scale=float(d.scale), max_side=int(d.max_side),
+        return CrohmeDataset(exprs, self.vocab, bitmap=d.bitmap_kwargs(),
                              max_pixels=int(d.max_pixels) if is_train else 0,
                              max_len=int(d.max_len) if is_train else 0, drop_unknown=is_train, render=render)
 

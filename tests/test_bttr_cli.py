@@ -62,6 +62,8 @@ def test_train_evaluate_recognize_cli(tmp_path, capsys):
     from tellkit.tasks.recognition import export_checkpoint
 
     export_checkpoint(run / "checkpoints" / "best", tmp_path / "small")
+    meta = json.loads((tmp_path / "small" / "config.json").read_text())
+    assert meta["data"]["root"] is None and meta["data"]["layout"] == "tsv"  # no training-machine paths
     assert main(["recognize", img, "--model", str(tmp_path / "small"), "--json",
                  "--beam-size", "2", "--max-len", "6"]) == 0
     res16 = json.loads(capsys.readouterr().out)
@@ -91,20 +93,24 @@ def test_bench_function(tmp_path):
 
 
 def test_packaged_default_model(capsys):
-    """The committed default of `tellkit recognize`: a trained BTTR (not a placeholder), float16
-    safetensors under 25 MB, that reads the project's own drawn sample correctly."""
+    """The committed default of `tellkit recognize`: a trained BTTR of the reference's layout (not
+    a placeholder), trained on the InkML renders, float16 safetensors under 25 MB, that reads the
+    project's own sample correctly from its pen strokes and from a bitmap of another scale."""
     from tellkit.bench.bttr import SAMPLE_LATEX
+    from tellkit.pipelines.recognition import SAMPLE_INKML
     from tellkit.tasks.recognition import DEFAULT_CHECKPOINT, Recognizer
 
     assert (DEFAULT_CHECKPOINT / "model.safetensors").stat().st_size <= 25 * 2**20
     meta = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text(encoding="utf-8"))
     assert meta["family"] == "bttr" and meta["weights_dtype"] == "float16"
-    assert meta["note"]["optimizer_steps"] >= 10000 and "placeholder" not in json.dumps(meta).lower()
+    assert meta["config"]["variant"] == "reference" and meta["data"]["layout"] == "inkml"
+    assert meta["data"]["root"] is None and "placeholder" not in json.dumps(meta).lower()
     rec = Recognizer.load()
-    assert sum(p.numel() for p in rec.model.parameters()) == 6_409_481
-    assert main(["recognize", str(SAMPLE_PATH), "--json"]) == 0  # no --model: the packaged one
-    res = json.loads(capsys.readouterr().out)
-    assert res["latex"] == SAMPLE_LATEX
+    assert sum(p.numel() for p in rec.model.parameters()) == 6_375_425
+    assert main(["recognize", str(SAMPLE_INKML), str(SAMPLE_PATH), "--json"]) == 0  # no --model: the packaged one
+    out = capsys.readouterr().out
+    results = [json.loads(line) for line in out.splitlines()]
+    assert [r["latex"] for r in results] == [SAMPLE_LATEX, SAMPLE_LATEX]
 
 
 def _png_header_only(path, width, height):

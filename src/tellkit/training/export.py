@@ -2,13 +2,16 @@
 are made): the model's weights (float16 by default: half the size; loading casts them back to
 the model's float32 parameters), its config, and the recipe sections the training loop stored
 (task, data, eval, train, encoders ...), so evaluation and captioning prepare inputs exactly as
-in training. No optimizer, RNG or trainer state. Works for any registered model family."""
+in training. No optimizer, RNG or trainer state, and no paths of the training machine (the
+data root and the run it started from are cleared: pass ``--data`` to evaluate it). Works for
+any registered model family."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 RESERVED = ("format_version", "family", "config", "tellkit_version")
+LOCAL_PATHS = (("data", "root"), ("train", "init_from"))
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True,
@@ -20,6 +23,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = T
     if half:
         model = model.half()
     extra = {k: v for k, v in meta.items() if k not in RESERVED}
+    for section, key in LOCAL_PATHS:
+        if isinstance(extra.get(section), dict) and extra[section].get(key) is not None:
+            extra[section] = {**extra[section], key: None}
     extra["weights_dtype"] = "float16" if half else "float32"
     if note:
         extra["note"] = note

@@ -210,12 +210,17 @@ def pen_width(ink: np.ndarray, threshold: float = 0.5) -> float:
 
 
 def _dilate(a: np.ndarray, k: int) -> np.ndarray:
-    """Grey-level dilation by a (k+1) x (k+1) square: strokes become k pixels wider."""
+    """Grey-level dilation by a (k+1) x (k+1) square: strokes become k pixels wider. A running
+    maximum per axis, so a large scan needs two extra copies of the image, not k + 1."""
     lo, hi = k // 2, k - k // 2
     for axis in (0, 1):
         p = np.pad(a, [(lo, hi) if i == axis else (0, 0) for i in (0, 1)])
         n = a.shape[axis]
-        a = np.max([np.take(p, range(i, i + n), axis=axis) for i in range(k + 1)], axis=0)
+        out = p[:n] if axis == 0 else p[:, :n]
+        out = out.copy()
+        for i in range(1, k + 1):
+            np.maximum(out, p[i : i + n] if axis == 0 else p[:, i : i + n], out=out)
+        a = out
     return a
 
 

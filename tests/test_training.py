@@ -305,11 +305,13 @@ def test_export_half_precision_inference_checkpoint(tmp_path):
     from tellkit import load_model
     from tellkit.training.export import export_checkpoint
 
-    run(toy_task.recipe(max_epochs=1), tmp_path / "run")
+    run(toy_task.recipe(max_epochs=1, num_workers=1), tmp_path / "run")
     src = tmp_path / "run" / "checkpoints" / "best"
+    assert json.loads((src / "config.json").read_text())["train"]["num_workers"] == 1
     out = export_checkpoint(src, tmp_path / "export", note={"trained_on": "toy"})
     meta = json.loads((out / "config.json").read_text())
     assert meta["task"] == "toy" and meta["train"]["max_epochs"] == 1 and meta["note"] == {"trained_on": "toy"}
+    assert meta["train"]["num_workers"] == 0  # a setting of the training machine, not of the model
     assert meta["weights_dtype"] == "float16" and not (out / "optimizer.safetensors").exists()
     a, b = load_model(src), load_model(out)
     assert next(b.parameters()).dtype == torch.float32

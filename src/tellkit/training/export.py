@@ -2,9 +2,10 @@
 are made): the model's weights (float16 by default: half the size; loading casts them back to
 the model's float32 parameters), its config, and the recipe sections the training loop stored
 (task, data, eval, train, encoders ...), so evaluation and captioning prepare inputs exactly as
-in training. No optimizer, RNG or trainer state, and no paths of the training machine (the
-data root and the run it started from are cleared: pass ``--data`` to evaluate it). Works for
-any registered model family."""
+in training. No optimizer, RNG or trainer state, and nothing of the training machine: the data
+root and the run it started from are cleared (pass ``--data`` to evaluate it), and the number
+of data-loading worker processes goes back to the default, so a model trained on a large
+machine does not start a dozen workers on a laptop. Works for any registered model family."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 RESERVED = ("format_version", "family", "config", "tellkit_version")
 LOCAL_PATHS = (("data", "root"), ("train", "init_from"))
+MACHINE_SETTINGS = (("train", "num_workers"),)  # reset to the TrainConfig default
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True,
@@ -26,6 +28,11 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = T
     for section, key in LOCAL_PATHS:
         if isinstance(extra.get(section), dict) and extra[section].get(key) is not None:
             extra[section] = {**extra[section], key: None}
+    from tellkit.training.config import TrainConfig
+
+    for section, key in MACHINE_SETTINGS:
+        if isinstance(extra.get(section), dict) and key in extra[section]:
+            extra[section] = {**extra[section], key: getattr(TrainConfig(), key)}
     extra["weights_dtype"] = "float16" if half else "float32"
     if note:
         extra["note"] = note

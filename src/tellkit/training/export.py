@@ -11,9 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tellkit.training.config import TrainConfig
+
 RESERVED = ("format_version", "family", "config", "tellkit_version")
-LOCAL_PATHS = (("data", "root"), ("train", "init_from"))
-MACHINE_SETTINGS = (("train", "num_workers"),)  # reset to the TrainConfig default
+# settings of the training machine, not of the model: (section, key) -> the exported value
+MACHINE_LOCAL = {("data", "root"): None, ("train", "init_from"): None,
+                 ("train", "num_workers"): TrainConfig.num_workers}
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True,
@@ -25,14 +28,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = T
     if half:
         model = model.half()
     extra = {k: v for k, v in meta.items() if k not in RESERVED}
-    for section, key in LOCAL_PATHS:
-        if isinstance(extra.get(section), dict) and extra[section].get(key) is not None:
-            extra[section] = {**extra[section], key: None}
-    from tellkit.training.config import TrainConfig
-
-    for section, key in MACHINE_SETTINGS:
+    for (section, key), value in MACHINE_LOCAL.items():
         if isinstance(extra.get(section), dict) and key in extra[section]:
-            extra[section] = {**extra[section], key: getattr(TrainConfig(), key)}
+            extra[section] = {**extra[section], key: value}
     extra["weights_dtype"] = "float16" if half else "float32"
     if note:
         extra["note"] = note

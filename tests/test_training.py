@@ -376,3 +376,70 @@ def test_init_from_starts_a_new_run_from_trained_weights(tmp_path):
         run(bad, tmp_path / "c")
     with pytest.raises(TellkitError, match="checkpoint not found"):
         run(toy_task.recipe(max_steps=1, init_from=str(tmp_path / "nope")), tmp_path / "d")
+
+
+def test_keep_checkpoints_and_average_them(tmp_path, capsys):
+    """--keep-checkpoints N keeps the states of the N newest steps besides last/best; tellkit
+    average writes the element-wise mean of their weights as an inference checkpoint and
+    refuses bad input with one line, writing nothing."""
+    from tellkit import load_model
+    from tellkit.cli import main
+    from tellkit.training.export import average_checkpoints
+
+    def step(p):
+        return int(p.name.split("_")[1].split("-")[0])
+
+    r = toy_task.recipe(max_epochs=3)
+    s = run(r, tmp_path / "run", save_every_steps=2, keep_checkpoints=3)  # 18 steps, 6 per epoch
+    ckpts = checkpointing.CheckpointManager(tmp_path / "run")
+    assert sorted({step(p) for p in ckpts.states()}) == [14, 16, 18]
+    assert ckpts.resolve("last") == ckpts.states()[0].resolve() and step(ckpts.states()[0]) == s["steps"] == 18
+    newest = ckpts.newest_steps(3)
+    assert [step(p) for p in newest] == [18, 16, 14]  # step 18 saved twice (periodic, evaluation): once
+    run(r, tmp_path / "plain", save_every_steps=2)  # default: only last and best stay
+    assert {step(p) for p in checkpointing.CheckpointManager(tmp_path / "plain").states()} == {18}
+
+    out = tmp_path / "avg"
+    assert main(["average", str(tmp_path / "run"), "--last", "3", "--out", str(out), "--float32",
+                 "--note", "how=last3"]) == 0
+    assert "the mean of 3 checkpoints" in capsys.readouterr().out
+    parts = [load_model(p).state_dict() for p in reversed(newest)]
+    assert not torch.equal(parts[0]["emb.weight"], parts[2]["emb.weight"])
+    got = load_model(out).state_dict()
+    for k, v in got.items():
+        torch.testing.assert_close(v, sum(p[k] for p in parts) / 3)
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["averaged_from"] == [f"run/{p.name}" for p in reversed(newest)]
+    assert meta["note"] == {"how": "last3"} and meta["task"] == "toy" and meta["weights_dtype"] == "float32"
+
+    # explicit folders (a run folder stands for its best); float16 by default
+    assert main(["average", str(newest[1]), str(newest[2]), str(tmp_path / "plain"),
+                 "--out", str(tmp_path / "a2")]) == 0
+    assert json.loads((tmp_path / "a2" / "config.json").read_text())["weights_dtype"] == "float16"
+
+    # bad input: one line, exit 2, nothing written or changed
+    before = (out / "model.safetensors").read_bytes()
+    assert main(["average", str(tmp_path / "run"), "--last", "3", "--out", str(out)]) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == before
+    assert main(["average", str(tmp_path / "run"), "--last", "9", "--out", str(tmp_path / "x")]) == 2
+    assert "holds states of 3 step(s)" in capsys.readouterr().err
+    assert main(["average", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 2
+    assert "two or more" in capsys.readouterr().err
+    assert main(["average", str(newest[0]), str(newest[0]), "--out", str(tmp_path / "x")]) == 2
+    assert "given twice" in capsys.readouterr().err
+    assert main(["average", str(tmp_path / "run"), str(tmp_path / "plain"), "--last", "2",
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "one run folder" in capsys.readouterr().err
+    assert main(["average", str(newest[0]), str(newest[1]), "--out", str(newest[0] / "inside")]) == 2
+    assert "inside the checkpoint" in capsys.readouterr().err
+    other = toy_task.recipe(max_epochs=1)
+    other["model"]["dropout"] = 0.2
+    run(other, tmp_path / "other")
+    assert main(["average", str(newest[0]), str(tmp_path / "other"), "--out", str(tmp_path / "x")]) == 2
+    assert "different model configuration" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(TellkitError, match="at least two"):
+        average_checkpoints([newest[0]], tmp_path / "x")
+    with pytest.raises(TellkitError, match="keep-checkpoints"):
+        run(r, tmp_path / "bad", keep_checkpoints=-1)

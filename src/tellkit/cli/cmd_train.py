@@ -23,6 +23,18 @@ def _minutes(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def add_arguments(p) -> None:
     p.add_argument("config", help="YAML recipe (path, or name under configs/ such as tat/small)")
     p.add_argument("overrides", nargs="*",
@@ -34,6 +46,9 @@ def add_arguments(p) -> None:
                    help="also checkpoint every N optimizer steps")
     p.add_argument("--save-every-minutes", type=_minutes, default=30.0, metavar="M",
                    help="also checkpoint every M minutes (default 30; 0 = only at evaluations)")
+    p.add_argument("--keep-checkpoints", type=_count, default=0, metavar="N",
+                   help="keep the states of the N newest saved steps besides last and best (default 0), e.g. to "
+                   "average them with tellkit average")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
 
 
@@ -54,6 +69,7 @@ def run(args) -> int:
         device=args.device,
         save_every_steps=args.save_every_steps,
         save_every_minutes=args.save_every_minutes or None,
+        keep_checkpoints=args.keep_checkpoints,
         progress=not args.no_progress,
     )
     import os

@@ -16,7 +16,9 @@ Crash safety: a state is written into ``step_N.tmp/``, every file is fsynced, th
 renamed to a name that does not exist yet (``step_N``, else ``step_N-1``, ``-2`` ...), and only
 then do ``last`` (and ``best``) move (``os.replace`` of a link is atomic). A folder is deleted
 only once no link points at it. So a kill at any instant leaves ``last`` pointing at a complete
-state; leftover ``*.tmp`` folders are removed by the next save. A failed write (disk full)
+state; leftover ``*.tmp`` folders are removed by the next save. Besides ``last`` and ``best``, the
+states of the ``keep`` newest steps stay (``tellkit train --keep-checkpoints N``, for weight averaging with
+``tellkit average``); older ones are deleted. A failed write (disk full)
 removes the temporary folder and raises a one-line error; the previous state is untouched.
 
 Resume (:meth:`CheckpointManager.find_resume`) reads ``last``; when it is missing, dangling or
@@ -284,8 +286,9 @@ def _order(path: Path) -> tuple[int, int]:
 class CheckpointManager:
     """Writes, points at, prunes and finds the full-state checkpoints of one run."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, keep: int = 0):
         self.dir = Path(run_dir) / "checkpoints"
+        self.keep = int(keep)
 
     # -- finding ---------------------------------------------------------------------------
     def _link_name(self, name: str) -> str | None:
@@ -308,6 +311,16 @@ class CheckpointManager:
             return []
         found = (p for p in self.dir.iterdir() if STEP_DIR.match(p.name) and p.is_dir())
         return sorted(found, key=_order, reverse=True)
+
+    def newest_steps(self, n: int) -> list[Path]:
+        """The states of the ``n`` newest steps, newest first, one per step (a step saved twice,
+        periodically and at an evaluation, holds the same weights)."""
+        found: dict[int, Path] = {}
+        for d in self.states():
+            if len(found) >= n:
+                break
+            found.setdefault(_order(d)[0], d)
+        return list(found.values())
 
     def holds_run(self) -> bool:
         return bool(self.states()) or (self.dir / "last").is_symlink()
@@ -419,6 +432,7 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         keep = {self._link_name("last"), self._link_name("best")}
+        keep.update(d.name for d in self.newest_steps(self.keep))
         for d in self.states():
             if d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)

@@ -5,12 +5,22 @@ the model's float32 parameters), its config, and the recipe sections the trainin
 in training. No optimizer, RNG or trainer state, and nothing of the training machine: the data
 root and the run it started from are cleared (pass ``--data`` to evaluate it), and the number
 of data-loading worker processes goes back to the default, so a model trained on a large
-machine does not start a dozen workers on a laptop. Works for any registered model family."""
+machine does not start a dozen workers on a laptop. Works for any registered model family.
+
+:func:`average_checkpoints` writes the same kind of checkpoint from the element-wise mean of
+several checkpoints of one model (weight averaging of the states along a training run, as in
+checkpoint averaging / stochastic weight averaging); :func:`write_checkpoint_folder` puts either
+in place without ever leaving a half-written or lost folder."""
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from tellkit.errors import TellkitError
 from tellkit.training.config import TrainConfig
 
 RESERVED = ("format_version", "family", "config", "tellkit_version")
@@ -21,10 +31,61 @@ MACHINE_LOCAL = {("data", "root"): None, ("train", "init_from"): None,
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True,
                       note: dict[str, Any] | None = None) -> Path:
-    from tellkit.checkpoint import load_model, read_checkpoint_config
+    from tellkit.checkpoint import load_model
 
-    meta = read_checkpoint_config(checkpoint)
     model = load_model(checkpoint)
+    return _write_inference(model, model.checkpoint_meta, out, half=half, note=note)
+
+
+def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, half: bool = True,
+                        note: dict[str, Any] | None = None) -> Path:
+    """The mean of the weights of ``checkpoints`` (two or more, of the same family and model
+    config) as an inference checkpoint whose recipe sections are the first one's. Floating-point
+    tensors (BatchNorm running statistics included) are averaged in float32; integer buffers
+    (BatchNorm batch counts) are the last checkpoint's. ``averaged_from`` in config.json lists
+    the sources (run and state folder names)."""
+    from tellkit.checkpoint import load_model
+
+    if len(checkpoints) < 2:
+        raise TellkitError(f"averaging needs at least two checkpoints, got {len(checkpoints)}")
+    first = load_model(checkpoints[0])
+    meta = first.checkpoint_meta
+    total = {k: v.detach().float().clone() if v.is_floating_point() else v.clone()
+             for k, v in first.state_dict().items()}
+    for path in checkpoints[1:]:
+        other = load_model(path)
+        theirs = other.checkpoint_meta
+        if theirs["family"] != meta["family"]:
+            raise TellkitError(f"{path}: holds a '{theirs['family']}' model, {checkpoints[0]} a '{meta['family']}' one")
+        if theirs["config"] != meta["config"]:
+            diff = sorted(k for k in set(meta["config"]) | set(theirs["config"])
+                          if meta["config"].get(k) != theirs["config"].get(k))
+            raise TellkitError(f"{path}: a different model configuration from {checkpoints[0]} "
+                               f"({', '.join(diff[:5])}); only checkpoints of one model can be averaged")
+        for k, v in other.state_dict().items():
+            if v.is_floating_point():
+                total[k] += v.detach().float()
+            else:
+                total[k] = v.clone()
+        del other
+    n = len(checkpoints)
+    own = first.state_dict()
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_((total[k] / n).to(v.dtype) if v.is_floating_point() else total[k])
+    sources = [source_name(Path(c)) for c in checkpoints]
+    return _write_inference(first, meta, out, half=half, note=note, averaged_from=sources)
+
+
+def source_name(path: Path) -> str:
+    """``run/step_00000584`` for a state of a run, else ``parent/folder`` (no machine paths)."""
+    path = path.resolve()
+    parent = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return f"{parent.name}/{path.name}"
+
+
+def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool,
+                     note: dict[str, Any] | None, averaged_from: list[str] | None = None) -> Path:
     if half:
         model = model.half()
     extra = {k: v for k, v in meta.items() if k not in RESERVED}
@@ -32,6 +93,52 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = T
         if isinstance(extra.get(section), dict) and key in extra[section]:
             extra[section] = {**extra[section], key: value}
     extra["weights_dtype"] = "float16" if half else "float32"
+    extra.pop("averaged_from", None)
+    if averaged_from:
+        extra["averaged_from"] = averaged_from
     if note:
         extra["note"] = note
     return model.save_pretrained(out, extra=extra)
+
+
+def write_checkpoint_folder(out: str | Path, write: Callable[[Path], Any], *, replace: bool = False,
+                            sources: Sequence[Path] = ()) -> list[str]:
+    """Run ``write(folder)`` into a staging folder beside ``out``, then swap it in. An existing
+    non-empty ``out`` is refused unless ``replace`` (and it holds a checkpoint); its files that the
+    new checkpoint does not write (a README) are carried over, and their names returned. An
+    interruption or error at any point leaves the old folder whole."""
+    from tellkit.checkpoint import CONFIG_NAME
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise TellkitError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        if not replace:
+            raise TellkitError(f"{out}: not empty (use --replace to replace a checkpoint folder)")
+        if not (out / CONFIG_NAME).is_file():
+            raise TellkitError(f"{out}: not a checkpoint folder (no {CONFIG_NAME}); refusing to replace it")
+    target = out.resolve()
+    for src in sources:
+        src = Path(src).resolve()
+        if target == src or src in target.parents:
+            raise TellkitError(f"{out}: inside the checkpoint {src} it is made from")
+    staging = out.with_name(out.name + ".export-tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    kept: list[str] = []
+    try:
+        write(staging)
+        if out.is_dir():
+            for f in sorted(out.iterdir()):
+                if not (staging / f.name).exists():
+                    (shutil.copytree if f.is_dir() else shutil.copy2)(f, staging / f.name)
+                    kept.append(f.name)
+            old = out.with_name(out.name + ".export-old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            staging.rename(out)
+            shutil.rmtree(old)
+        else:
+            staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return kept

@@ -268,6 +268,7 @@ def train(
     device: str | None = None,
     save_every_steps: int | None = None,
     save_every_minutes: float | None = 30.0,
+    keep_checkpoints: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Train ``recipe`` into ``run_dir``; returns a summary (steps, best metric, checkpoints)."""
@@ -275,6 +276,8 @@ def train(
         raise TellkitError(f"--save-every-steps must be a positive number of steps, got {save_every_steps}")
     if save_every_minutes is not None and not float(save_every_minutes) > 0:
         raise TellkitError(f"--save-every-minutes must be positive (or 0 for off), got {save_every_minutes}")
+    if isinstance(keep_checkpoints, bool) or int(keep_checkpoints) < 0:
+        raise TellkitError(f"--keep-checkpoints must be a whole number >= 0, got {keep_checkpoints}")
     check_recipe_sections(recipe)
     cfg = train_config(recipe)
     run_dir = Path(run_dir)
@@ -283,7 +286,8 @@ def train(
     dist = distributed.setup(device)
     try:
         trainer = Trainer(recipe, cfg, run_dir, dist, resume=resume, task=task, save_every_steps=save_every_steps,
-                          save_every_minutes=save_every_minutes, progress=progress)
+                          save_every_minutes=save_every_minutes, keep_checkpoints=keep_checkpoints,
+                          progress=progress)
         return trainer.setup().fit()
     finally:
         distributed.teardown(dist)
@@ -297,11 +301,11 @@ class Trainer:
 
     def __init__(self, recipe: Mapping[str, Any], cfg: TrainConfig, run_dir: Path, dist: distributed.DistInfo, *,
                  resume: bool = False, task: Task | None = None, save_every_steps: int | None = None,
-                 save_every_minutes: float | None = 30.0, progress: bool = True):
+                 save_every_minutes: float | None = 30.0, keep_checkpoints: int = 0, progress: bool = True):
         self.recipe, self.cfg, self.run_dir, self.dist = recipe, cfg, run_dir, dist
         self.resume, self.task, self.progress = resume, task, progress
         self.save_every_steps, self.save_every_minutes = save_every_steps, save_every_minutes
-        self.ckpts = CheckpointManager(run_dir)
+        self.ckpts = CheckpointManager(run_dir, keep=keep_checkpoints)
         self.state = TrainerState(world=dist.world)
         self.resolved = json.loads(json.dumps({**dict(recipe), "train": to_dict(cfg)}))  # plain YAML/JSON types
         self.saved: SavedState | None = None

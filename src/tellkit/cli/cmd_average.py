@@ -1,0 +1,64 @@
+"""`tellkit average SRC [SRC ...] --out DIR`: the element-wise mean of the weights of several
+checkpoints of one model (checkpoint averaging / stochastic weight averaging) as a compact
+inference checkpoint, like ``tellkit export`` writes. ``--last N`` takes the states of the N
+newest saved steps of one run folder (train it with ``--keep-checkpoints`` so that they are kept)."""
+from __future__ import annotations
+
+from tellkit.cli import positive_int
+from tellkit.cli.cmd_export import add_output_arguments
+
+NAME = "average"
+HELP = "average the weights of several checkpoints of one model into one inference checkpoint"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("src", nargs="+",
+                   help="checkpoint folders (a run folder stands for its best), or with --last one run folder")
+    p.add_argument("--last", type=positive_int, default=None, metavar="N",
+                   help="average the states of the N newest saved steps of the run folder SRC (at least 2)")
+    add_output_arguments(p)
+
+
+def sources(src: list[str], last: int | None) -> list:
+    from pathlib import Path
+
+    from tellkit.checkpoint import resolve_checkpoint
+    from tellkit.errors import TellkitError
+    from tellkit.training.checkpointing import CheckpointManager
+
+    if last is None:
+        if len(src) < 2:
+            raise TellkitError("give two or more checkpoints, or one run folder with --last N")
+        found = [resolve_checkpoint(s) for s in src]
+    else:
+        if len(src) != 1:
+            raise TellkitError(f"--last takes one run folder, got {len(src)} paths")
+        run = Path(src[0])
+        if not (run / "checkpoints").is_dir():
+            raise TellkitError(f"{run}: not a run folder of tellkit train (no checkpoints/)")
+        states = CheckpointManager(run).newest_steps(last)
+        if last < 2 or len(states) < last:
+            raise TellkitError(f"--last {last}: {run} holds states of {len(states)} step(s); averaging needs "
+                               "at least 2 (train with --keep-checkpoints N to keep more)")
+        found = [p.resolve() for p in reversed(states)]  # oldest first
+    dupes = sorted({str(p) for p in found if found.count(p) > 1})
+    if dupes:
+        raise TellkitError(f"the same checkpoint is given twice: {dupes[0]}")
+    return found
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from tellkit.cli.cmd_export import notes_from, report
+    from tellkit.training.export import average_checkpoints, source_name, write_checkpoint_folder
+
+    notes = notes_from(args.note)
+    found = sources(args.src, args.last)
+    out = Path(args.out)
+    kept = write_checkpoint_folder(
+        out, lambda d: average_checkpoints(found, d, half=not args.float32, note=notes or None),
+        replace=args.replace, sources=found)
+    names = ", ".join(source_name(p) for p in found)
+    report(out, f"the mean of {len(found)} checkpoints: {names}", args.float32, kept)
+    return 0

@@ -44,3 +44,12 @@ def test_bttr_bench_images_come_from_tellkit_shared_data(tmp_path, monkeypatch):
     monkeypatch.setenv("TELLKIT_SHARED_DATA", str(tmp_path / "elsewhere"))
     with pytest.raises(TellkitError, match="no PNG images"):
         _default_images(2)
+
+
+def test_bttr_bench_names_its_model_and_images_without_machine_paths(monkeypatch):
+    from tellkit.bench.bttr import bench_bttr
+
+    monkeypatch.delenv("TELLKIT_SHARED_DATA", raising=False)
+    r = bench_bttr(n_images=2, batch_size=2, beam_size=2, max_len=12, threads=1)
+    assert r["checkpoint"] == "packaged default (bttr_default)"
+    assert r["images_from"] == "the packaged sample, repeated" and r["images"] == 2 and r["same_outputs"]

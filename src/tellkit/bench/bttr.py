@@ -76,6 +76,10 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
     rec = Recognizer.load(checkpoint, device=device)
     if images is None:
         images = _default_images(n_images)
+        source = ("the packaged sample, repeated" if images and images[0] == SAMPLE_PATH
+                  else f"the first {len(images)} PNGs of CROHME 2014 test (TELLKIT_SHARED_DATA)")
+    else:
+        source = "given"
     tensors = [rec.prepare(p) for p in images]
     kw = {"beam_size": beam_size or rec.beam_size, "max_len": max_len or rec.max_len}
 
@@ -94,7 +98,8 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
     n = len(tensors)
     return {
         "model": "bttr",
-        "checkpoint": str(rec.checkpoint),
+        "checkpoint": checkpoint_label(rec.checkpoint),
+        "images_from": source,
         "device": device,
         "threads": torch.get_num_threads(),
         "images": n,
@@ -107,6 +112,15 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
         "same_outputs": fast == slow,
         "mean_output_tokens": sum(len(t) for t in fast) / max(n, 1),
     }
+
+
+def checkpoint_label(path) -> str:
+    """The packaged default by name (results files hold no machine paths), else the path given."""
+    from tellkit.pipelines.recognition import DEFAULT_CHECKPOINT
+
+    if Path(path).resolve() == DEFAULT_CHECKPOINT.resolve():
+        return f"packaged default ({DEFAULT_CHECKPOINT.name})"
+    return str(path)
 
 
 def _default_images(n: int) -> list[Path]:

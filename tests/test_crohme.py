@@ -1,5 +1,6 @@
 """CROHME loaders (shared TSV layout and WAP/BTTR caption layout), images, batching."""
 import pytest
+import torch
 from PIL import Image, ImageDraw
 
 from tellkit.data.crohme import (
@@ -83,3 +84,43 @@ def test_shared_crohme_splits(shared_data):
     assert len(val) == 1767 and val[0].image.is_file()
     img = load_image(test[0].image)
     assert img.dim() == 3 and img.max() > 0.5
+
+
+def test_image_augment_keeps_size_and_moves_ink():
+    from unittest import mock
+
+    from tellkit.data.crohme import CrohmeDataset, Expression, ImageAugment
+    from tellkit.errors import TellkitError
+    from tellkit.tasks.recognition import data_section
+
+    img = torch.zeros(1, 64, 200)
+    img[0, 28:36, 20:180] = 1
+    # a pure scale about the centre: a 160 x 8 bar becomes 80 x 4, centred
+    half = ImageAugment(scale=[0.5, 0.5])(img)
+    cols = (half[0] > 0.5).any(0).nonzero().flatten()
+    rows = (half[0] > 0.5).any(1).nonzero().flatten()
+    assert half.shape == img.shape and (cols.min(), cols.max(), rows.min(), rows.max()) == (60, 139, 30, 33)
+    # rotation by the full angle turns a ray from the centre by 45 degrees
+    ray = torch.zeros(1, 101, 101)
+    ray[0, 50, 50:100] = 1
+    with mock.patch("torch.rand", lambda n: torch.tensor([1.0, 0.5, 0.0])):
+        turned = ImageAugment(rotate=45)(ray)
+    ys, xs = (turned[0] > 0.3).nonzero().T
+    assert abs(int(xs.max()) - 85) <= 1 and abs(int(ys.max()) - 85) <= 1 and int(ys.min()) >= 49
+    assert ImageAugment()(img) is img and not ImageAugment().active
+    # random draws differ, the size never changes
+    aug = ImageAugment(rotate=3, shear=0.2, scale=[0.85, 1.0])
+    a, b = aug(img), aug(img)
+    assert a.shape == b.shape == img.shape and not torch.equal(a, b) and not torch.equal(a, img)
+    # wired through the recipe: training items only, the recorded sizes are the undistorted ones
+    d = data_section({"augment": {"rotate": 2, "shear": 0.1, "scale": [0.9, 1.0]}})
+    assert d.augmenter() == ImageAugment(rotate=2, shear=0.1, scale=(0.9, 1.0))
+    assert data_section({}).augmenter() is None
+    ds = CrohmeDataset([Expression("e", None, ["x"])], render=lambda e: img, augment=d.augmenter())
+    assert ds.sizes() == [(64, 200)] and ds[0]["image"].shape == img.shape and not torch.equal(ds[0]["image"], img)
+    with pytest.raises(TellkitError, match="unknown key"):
+        data_section({"augment": {"rot": 2}})
+    with pytest.raises(TellkitError, match="augment.scale"):
+        data_section({"augment": {"scale": [1.2, 0.9]}})
+    with pytest.raises(TellkitError, match="rotate must be"):
+        data_section({"augment": {"rotate": 90}})

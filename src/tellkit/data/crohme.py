@@ -324,14 +324,68 @@ def pad_to_stride(img: torch.Tensor, stride: int = STRIDE) -> torch.Tensor:
 
 
 # --- dataset and batches ------------------------------------------------------------------------
+@dataclass
+class ImageAugment:
+    """Random affine distortion of a training image, keeping its size (so size-sorted batches
+    and their pixel caps hold): a rotation of up to ``rotate`` degrees either way, a horizontal
+    shear (slant) of up to ``shear`` either way and a scale drawn from ``scale``, all about the
+    image centre, ink resampled bilinearly and white (0) outside. Not in the BTTR reference (it
+    trains without augmentation); off unless a recipe sets ``data.augment``. Draws from torch's
+    global generator, which the training loop seeds and checkpoints."""
+
+    rotate: float = 0.0
+    shear: float = 0.0
+    scale: tuple[float, float] = (1.0, 1.0)
+
+    def __post_init__(self):
+        lo, hi = (float(v) for v in self.scale)
+        if not (0 < lo <= hi <= 2):
+            raise TellkitError(f"data.augment.scale: expected [low, high] with 0 < low <= high <= 2, got {self.scale}")
+        if not (0 <= self.rotate <= 45 and 0 <= self.shear <= 1):
+            raise TellkitError(f"data.augment: rotate must be in [0, 45] degrees and shear in [0, 1], "
+                               f"got {self.rotate}, {self.shear}")
+        self.scale = (lo, hi)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.rotate or self.shear or self.scale != (1.0, 1.0))
+
+    def __call__(self, img: torch.Tensor) -> torch.Tensor:
+        import math
+
+        import torch.nn.functional as F
+
+        if not self.active:
+            return img
+        u = torch.rand(3).tolist()
+        angle = math.radians((2 * u[0] - 1) * self.rotate)
+        shear = (2 * u[1] - 1) * self.shear
+        lo, hi = self.scale
+        zoom = lo + (hi - lo) * u[2]
+        h, w = img.shape[-2:]
+        # output pixel (x, y) about the centre, in pixels, reads input pixel A^-1 (x, y)
+        cos, sin = math.cos(angle), math.sin(angle)
+        fwd = torch.tensor([[cos, -sin], [sin, cos]], dtype=torch.float64) @ torch.tensor(
+            [[1.0, shear], [0.0, 1.0]], dtype=torch.float64) * zoom
+        inv = torch.linalg.inv(fwd)
+        # affine_grid works in [-1, 1] coordinates on each axis: rescale by the half-sizes
+        half = torch.tensor([(w - 1) / 2, (h - 1) / 2], dtype=torch.float64)
+        theta = (inv * half[None, :] / half[:, None]).float()
+        grid = F.affine_grid(torch.cat([theta, torch.zeros(2, 1)], 1)[None], [1, 1, h, w], align_corners=True)
+        out = F.grid_sample(img[None].float(), grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+        return out[0].to(img.dtype)
+
+
 class CrohmeDataset(torch.utils.data.Dataset):
     """Items: ``{"id", "image": [1,H,W], "labels": list[int] (no sos/eos), "tokens"}``."""
 
     def __init__(self, exprs: Sequence[Expression], vocab: Vocab | None = None, *, max_pixels: int = 0,
                  max_len: int = 0, drop_unknown: bool = False,
-                 render: Callable[[Expression], torch.Tensor] | None = None, bitmap: dict | None = None):
+                 render: Callable[[Expression], torch.Tensor] | None = None, bitmap: dict | None = None,
+                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """``render``: strokes -> image for InkML expressions; ``bitmap``: keyword arguments of
-        :func:`load_image` for bitmap expressions (crop, scale, ...; its defaults when None)."""
+        :func:`load_image` for bitmap expressions (crop, scale, ...; its defaults when None);
+        ``augment``: a size-keeping random distortion of each item (:class:`ImageAugment`)."""
         self.vocab = vocab or Vocab()
         kept = []
         for e in exprs:
@@ -343,6 +397,7 @@ class CrohmeDataset(torch.utils.data.Dataset):
         self.exprs = kept
         self.bitmap = dict(bitmap or {})
         self.render = render
+        self.augment = augment
         self._sizes: list[tuple[int, int]] | None = None
         self.max_pixels = max_pixels
         if max_pixels:  # the reference drops images over 320,000 pixels
@@ -362,7 +417,10 @@ class CrohmeDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         e = self.exprs[i]
         ids = [self.vocab.stoi.get(t, -1) for t in e.tokens]
-        return {"id": e.id, "image": self.image(i), "labels": ids, "tokens": e.tokens}
+        img = self.image(i)
+        if self.augment is not None:
+            img = self.augment(img)
+        return {"id": e.id, "image": img, "labels": ids, "tokens": e.tokens}
 
     def sizes(self) -> list[tuple[int, int]]:
         """(H, W) of every prepared image (computed once; reads each image)."""

@@ -58,10 +58,14 @@ class RecognitionData:
     max_len: int = 200
     max_batch_pixels: int = 320_000
     limit: dict[str, int] = field(default_factory=dict)
+    # random size-keeping distortion of training images (tellkit.data.crohme.ImageAugment):
+    # {rotate: degrees, shear: slant, scale: [low, high]}; empty = none (the reference's way)
+    augment: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise TellkitError(f"data.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        self.augmenter()  # a bad data.augment fails when the recipe is read
         bad = sorted(set(self.limit) - {"train", "val", "test"})
         if bad:
             raise TellkitError(f"data.limit: unknown split(s) {', '.join(bad)} (train|val|test)")
@@ -85,6 +89,14 @@ class RecognitionData:
         rc = self.render_config()
         return {**kw, "fit_pixels": int(rc.max_pixels), "component_size": float(rc.stroke_size + rc.line_width + 1),
                 "min_pen": float(rc.line_width), "margin": int(rc.margin)}
+
+    def augmenter(self):
+        """The training-image distortion of ``augment``, or None."""
+        from tellkit.config import from_dict
+        from tellkit.data.crohme import ImageAugment
+
+        aug = from_dict(ImageAugment, self.augment or {}, "data.augment")
+        return aug if aug.active else None
 
     def cache_dir(self) -> Path | None:
         from tellkit.data.inkml import default_cache_dir
@@ -180,7 +192,8 @@ class RecognitionTask(Task):
         render = make_renderer(d, root) if d.layout == "inkml" else None
         return CrohmeDataset(exprs, self.vocab, bitmap=d.bitmap_kwargs(),
                              max_pixels=int(d.max_pixels) if is_train else 0,
-                             max_len=int(d.max_len) if is_train else 0, drop_unknown=is_train, render=render)
+                             max_len=int(d.max_len) if is_train else 0, drop_unknown=is_train, render=render,
+                             augment=d.augmenter() if is_train else None)
 
     def collate(self, samples):
         from tellkit.data.crohme import collate

@@ -22,6 +22,7 @@ while the padded pixels stay under ``max_batch_pixels``.
 from __future__ import annotations
 
 import csv
+import math
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from tellkit.data.latex import Vocab, normalize
 from tellkit.errors import TellkitError
@@ -351,10 +353,6 @@ class ImageAugment:
         return bool(self.rotate or self.shear or self.scale != (1.0, 1.0))
 
     def __call__(self, img: torch.Tensor) -> torch.Tensor:
-        import math
-
-        import torch.nn.functional as F
-
         if not self.active:
             return img
         u = torch.rand(3).tolist()

@@ -184,14 +184,68 @@ def test_flickr8k_csv_quoting(tmp_path):
         read_captions(tmp_path / "bad.txt")
 
 
+def _flickr8k_fixture(root: Path, with_split: bool) -> None:
+    """Six images with two captions each, in the official layout (token file + split files)."""
+    text = root / "Flickr8k_text"
+    text.mkdir(parents=True)
+    names = [f"{i}_x.jpg" for i in range(6)]
+    (text / "Flickr8k.token.txt").write_text(
+        "".join(f"{n}#{k}\tA caption {k} of {n} , with a comma .\n" for n in names for k in range(2)))
+    if with_split:
+        for part, chosen in (("train", names[:3]), ("dev", names[3:4]), ("test", names[4:5])):
+            (text / f"Flickr_8k.{part}Images.txt").write_text("\n".join(chosen) + "\n")
+
+
+def test_flickr8k_official_split_files(tmp_path):
+    _flickr8k_fixture(tmp_path, with_split=True)
+    parts = {s: load_flickr8k(tmp_path, s) for s in ("train", "val", "test")}
+    assert [len(parts[s]) for s in ("train", "val", "test")] == [6, 2, 2]
+    assert {x.image_id for x in parts["val"]} == {"3_x.jpg"}  # dev is the validation split
+    second = parts["train"][1]
+    assert second.id == "0_x.jpg#1" and second.caption == "A caption 1 of 0_x.jpg , with a comma ."
+    everything = load_flickr8k(tmp_path)
+    assert len(everything) == 12 and [x.split for x in everything if x.image_id == "5_x.jpg"] == [None, None]
+    (tmp_path / "Flickr8k_text" / "Flickr_8k.devImages.txt").unlink()
+    with pytest.raises(TellkitError, match="incomplete"):
+        load_flickr8k(tmp_path, "train")
+    with pytest.raises(TellkitError, match="split must be"):
+        load_flickr8k(tmp_path, "dev")
+
+
+def test_flickr8k_bad_token_line(tmp_path):
+    _flickr8k_fixture(tmp_path, with_split=True)
+    with open(tmp_path / "Flickr8k_text" / "Flickr8k.token.txt", "a") as f:
+        f.write("no tab or hash here\n")
+    with pytest.raises(TellkitError, match=r"Flickr8k.token.txt:13: expected"):
+        load_flickr8k(tmp_path, "train")
+
+
+def test_flickr8k_seeded_split_without_split_files(tmp_path):
+    rows = "".join(f"{i}.jpg,A photo {k} of {i}\n" for i in range(20) for k in range(5))
+    (tmp_path / "captions.txt").write_text("image,caption\n" + rows)
+    parts = {s: load_flickr8k(tmp_path, s) for s in ("train", "val", "test")}
+    images = {s: {x.image_id for x in parts[s]} for s in parts}
+    assert [len(images[s]) for s in ("train", "val", "test")] == [16, 2, 2]
+    assert not images["train"] & images["test"] and not images["val"] & images["test"]
+    assert parts["test"] == load_flickr8k(tmp_path, "test")  # fixed
+    assert images["test"] != {x.image_id for x in load_flickr8k(tmp_path, "test", seed=9)}
+
+
 @pytest.mark.data
-def test_flickr8k_fixed_seeded_split(shared_data):
+def test_flickr8k_official_split(shared_data):
     root = shared_data / "flickr8k"
     parts = {s: load_flickr8k(root, s) for s in ("train", "val", "test")}
-    assert [len(parts[s]) for s in ("train", "val", "test")] == [4000, 500, 500]
+    assert [len(parts[s]) for s in ("train", "val", "test")] == [30000, 5000, 5000]
     images = {s: {x.image_id for x in parts[s]} for s in parts}
-    assert len(images["train"]) == 800 and not images["train"] & images["test"] and not images["val"] & images["test"]
-    assert parts["test"] == load_flickr8k(root, "test")  # fixed
+    assert [len(images[s]) for s in ("train", "val", "test")] == [6000, 1000, 1000]
+    assert not images["train"] & images["test"] and not images["val"] & images["test"]
+    assert not images["train"] & images["val"]
+    listed = (root / "Flickr8k_text" / "Flickr_8k.testImages.txt").read_text().split()
+    assert images["test"] == set(listed)
+    assert len(load_flickr8k(root)) == 40455
+    # the CSV form holds the same captions
+    csv_rows = read_captions(root / "captions.txt")
+    assert sorted(csv_rows) == sorted((x.image_id, x.caption) for x in load_flickr8k(root))
     ctx = load_flickr8k(root, "test", context="other_captions")
     s = ctx[0]
     others = [x.caption for x in ctx if x.image_id == s.image_id and x is not s]
@@ -285,4 +339,4 @@ def test_flickr8k_recipe_reads_the_data_given_to_it(shared_data):
 
     r = deep_merge(load_yaml("tat/flickr8k_small"), {"data": {"root": str(shared_data / "flickr8k")}})
     val = CaptioningTask(r).load_samples("val")
-    assert len({s.image_id for s in val}) == 100 and all(Path(s.image_path).is_file() for s in val[:5])
+    assert len({s.image_id for s in val}) == 1000 and all(Path(s.image_path).is_file() for s in val[:5])

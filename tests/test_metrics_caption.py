@@ -34,6 +34,17 @@ def _toks(d):
     return {k: [normalize(x).split() for x in (v if isinstance(v, list) else [v])] for k, v in d.items()}
 
 
+def test_lowercase_compares_words_regardless_of_case():
+    preds = {"1": "A dog runs on the grass", "2": "Two men play"}
+    refs = {"1": ["a dog runs on the grass", "The dog runs"], "2": ["two men play football", "Two men playing"]}
+    kept = score_captions(preds, refs, ["bleu", "rouge", "cider"])
+    lower = score_captions(preds, refs, ["bleu", "rouge", "cider"], lowercase=True)
+    assert lower["bleu1"] > kept["bleu1"] and lower["rouge_l"] > kept["rouge_l"] and lower["cider"] > kept["cider"]
+    same = score_captions({k: v.lower() for k, v in preds.items()},
+                          {k: [r.lower() for r in v] for k, v in refs.items()}, ["bleu", "rouge", "cider"])
+    assert lower == pytest.approx(same)
+
+
 def test_bleu_matches_nltk():
     from nltk.translate.bleu_score import corpus_bleu
 

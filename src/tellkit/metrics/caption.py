@@ -3,7 +3,9 @@ and Tell reference protocol:
 
 - text is compared case-preserved with punctuation removed (:func:`normalize`: every character
   that is neither a word character nor whitespace is deleted, then whitespace is collapsed);
-  no PTB tokenisation, no lower-casing;
+  no PTB tokenisation, no lower-casing. ``lowercase=True`` also lower-cases predictions and
+  references, the convention of the everyday-caption papers (Flickr8k, COCO: the COCO caption
+  code's PTB tokenizer lower-cases), where "A dog" and "a dog" are the same words;
 - BLEU-1..4 (corpus level, "closest" reference length), METEOR 1.5 (``-norm``; needs Java),
   ROUGE-L (beta 1.2, sentence average), CIDEr-D (n=4, sigma=6, document frequencies from the
   references of the WHOLE scored set: never average per-batch CIDEr).
@@ -45,14 +47,16 @@ def strip_punctuation(text: str) -> str:
 ROUGE_WHITESPACE = ("reference", "collapsed")
 
 
-def _prepare(predictions: Mapping[str, str], references: Mapping[str, Iterable[str]], norm: bool):
+def _prepare(predictions: Mapping[str, str], references: Mapping[str, Iterable[str]], norm: bool,
+             lowercase: bool = False):
     if set(predictions) != set(references):
         missing = sorted(set(references) - set(predictions))[:3]
         extra = sorted(set(predictions) - set(references))[:3]
         raise TellkitError(f"predictions and references cover different ids (missing {missing}, extra {extra})")
     if not predictions:
         raise TellkitError("no captions to score")
-    f = normalize if norm else (lambda s: _SPACE.sub(" ", s).strip())
+    base = normalize if norm else (lambda s: _SPACE.sub(" ", s).strip())
+    f = (lambda s: base(s).lower()) if lowercase else base
     res = {str(k): [f(v)] for k, v in predictions.items()}
     gts = {}
     for k, refs in references.items():
@@ -70,6 +74,7 @@ def score_captions_detailed(
     *,
     normalize_text: bool = True,
     rouge_whitespace: str = "reference",
+    lowercase: bool = False,
 ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     """(corpus scores, per-id scores). Per-id BLEU is the sentence-level score, per-id CIDEr-D is
     computed with the corpus document frequencies."""
@@ -80,7 +85,7 @@ def score_captions_detailed(
         raise TellkitError(f"unknown caption metric(s) {sorted(unknown)}; known: {', '.join(METRICS)}")
     if rouge_whitespace not in ROUGE_WHITESPACE:
         raise TellkitError(f"rouge_whitespace must be one of {', '.join(ROUGE_WHITESPACE)}, got {rouge_whitespace!r}")
-    res, gts = _prepare(predictions, references, normalize_text)
+    res, gts = _prepare(predictions, references, normalize_text, lowercase)
     ids = list(res)
     corpus: dict[str, float] = {}
     per: dict[str, dict[str, float]] = {i: {} for i in ids}
@@ -105,8 +110,9 @@ def score_captions_detailed(
         if normalize_text and rouge_whitespace == "reference":
             preds = {str(k): v for k, v in predictions.items()}
             refs_by_id = {str(k): list(v) for k, v in references.items()}
-            r_res = {i: [strip_punctuation(preds[i])] for i in ids}
-            r_gts = {i: [strip_punctuation(r) for r in refs_by_id[i]] for i in ids}
+            case = str.lower if lowercase else str
+            r_res = {i: [case(strip_punctuation(preds[i]))] for i in ids}
+            r_gts = {i: [case(strip_punctuation(r)) for r in refs_by_id[i]] for i in ids}
         put("rouge_l", *Rouge().compute_score(r_gts, r_res))
     if "cider" in metrics:
         from pycocoevalcap.cider.cider import Cider
@@ -117,11 +123,11 @@ def score_captions_detailed(
 
 def score_captions(predictions: Mapping[str, str], references: Mapping[str, Iterable[str]],
                    metrics: Iterable[str] = METRICS, *, normalize_text: bool = True,
-                   rouge_whitespace: str = "reference") -> dict[str, float]:
+                   rouge_whitespace: str = "reference", lowercase: bool = False) -> dict[str, float]:
     """Corpus-level scores (x100) for ``predictions`` (id -> caption) against ``references``
     (id -> list of captions). ``metrics``: any of bleu, meteor, rouge, cider."""
     return score_captions_detailed(predictions, references, metrics, normalize_text=normalize_text,
-                                   rouge_whitespace=rouge_whitespace)[0]
+                                   rouge_whitespace=rouge_whitespace, lowercase=lowercase)[0]
 
 
 def _meteor(gts, res):

@@ -114,6 +114,9 @@ class CaptionEvalConfig(GenerationConfig):
     ner: bool = True  # named-entity precision / recall (spaCy)
     ner_model: str | None = None  # None: tellkit.metrics.ner.DEFAULT_MODEL
     rare_proper_nouns: bool = True  # also score proper nouns unseen in training captions
+    # compare lower-cased text (the Flickr8k / COCO papers' convention); False: case kept, as the
+    # Transform and Tell reference scored news captions, where case marks names
+    lowercase: bool = False
     monitor: str = "loss"  # the validation metric that selects the best checkpoint
     batch_size: int | None = None  # None: train.batch_size
 
@@ -406,7 +409,7 @@ class CaptioningTask(Task):
 
         preds = {p["id"]: p["prediction"] for p in predictions}
         refs = {p["id"]: p["references"] for p in predictions}
-        metrics, per = score_captions_detailed(preds, refs, self.eval.metrics or METRICS)
+        metrics, per = score_captions_detailed(preds, refs, self.eval.metrics or METRICS, lowercase=self.eval.lowercase)
         for p in predictions:  # per-example scores go into predictions_<split>.jsonl
             p["scores"] = per[p["id"]]
         metrics.update(linguistic_scores(preds.values()))

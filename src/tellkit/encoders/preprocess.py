@@ -4,7 +4,7 @@ Contract used across the project::
 
     load_image(path, max_pixels=None) -> PIL.Image.Image   # RGB, EXIF orientation applied
     to_rgb(img) -> PIL.Image.Image                          # any PIL mode -> RGB
-    ImageNetTransform(resize=256, crop=224)(img) -> float[3, crop, crop]
+    ImageNetTransform(resize=256, crop=224, fit="crop")(img) -> float[3, crop, crop]
 
 ``load_image`` decodes through :func:`tellkit.utils.images.open_image`, the one decoder for
 untrusted images (``tellkit caption``, ``demo``, ``features``, the data sets' images): the format
@@ -29,6 +29,13 @@ to 224 before release, and the reference fed them to ResNet-152 as they are (res
 256 and cropping again would show the model only their central 196 pixels).
 ``prepared="never"`` always resizes and crops; ``resample="lanczos"`` resizes as the
 reference's own image preparation did (PIL's ANTIALIAS filter).
+
+``fit`` says how a photo of another shape becomes the ``crop`` x ``crop`` square: ``"crop"``
+(resize the short side to ``resize``, centre crop: the aspect ratio is kept, the borders of the
+long side are lost) or ``"squash"`` (resize straight to ``crop`` x ``crop``: the whole photo is
+seen, the aspect ratio is not kept, as Flickr8k's released photos were prepared). ``resize`` is
+unused by ``"squash"``. :meth:`ImageNetTransform.kept_box` gives the part of the photo the model
+sees under either fit.
 """
 from __future__ import annotations
 
@@ -73,6 +80,7 @@ def load_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.
 
 
 RESAMPLE = {"bilinear": Image.BILINEAR, "lanczos": Image.LANCZOS, "bicubic": Image.BICUBIC}
+FITS = ("crop", "squash")  # how a photo becomes the square input; see the module docstring
 
 
 def resize_short_side(img: Image.Image, size: int, resample: str = "bilinear") -> Image.Image:
@@ -107,17 +115,20 @@ def to_tensor(img: Image.Image, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> torch.T
 
 
 class ImageNetTransform:
-    """PIL image -> float[3, crop, crop]: resize short side, centre crop, normalise; an image
-    already ``crop`` x ``crop`` is only normalised (``prepared="auto"``, see the module docstring)."""
+    """PIL image -> float[3, crop, crop]: resize short side and centre crop (``fit="crop"``) or
+    resize to the square (``fit="squash"``), then normalise; an image already ``crop`` x ``crop``
+    is only normalised (``prepared="auto"``, see the module docstring)."""
 
     def __init__(self, resize: int = 256, crop: int = 224, mean=IMAGENET_MEAN, std=IMAGENET_STD,
-                 prepared: str = "auto", resample: str = "bilinear"):
+                 prepared: str = "auto", resample: str = "bilinear", fit: str = "crop"):
         if prepared not in ("auto", "never"):
             raise ValueError(f"prepared must be 'auto' or 'never', got {prepared!r}")
         if resample not in RESAMPLE:
             raise ValueError(f"resample must be one of {sorted(RESAMPLE)}, got {resample!r}")
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
         self.resize, self.crop, self.mean, self.std = resize, crop, mean, std
-        self.prepared, self.resample = prepared, resample
+        self.prepared, self.resample, self.fit = prepared, resample, fit
 
     def is_prepared(self, img: Image.Image) -> bool:
         return self.prepared == "auto" and img.size == (self.crop, self.crop)
@@ -125,12 +136,31 @@ class ImageNetTransform:
     def __call__(self, img: Image.Image) -> torch.Tensor:
         img = to_rgb(img)
         if not self.is_prepared(img):
-            img = center_crop(resize_short_side(img, self.resize, self.resample), self.crop)
+            if self.fit == "squash":
+                img = img.resize((self.crop, self.crop), RESAMPLE[self.resample])
+            else:
+                img = center_crop(resize_short_side(img, self.resize, self.resample), self.crop)
         return to_tensor(img, self.mean, self.std)
+
+    def kept_box(self, width: int, height: int) -> list[float]:
+        """The part of a ``width`` x ``height`` photo that the model sees, in its pixel
+        coordinates ``[x0, y0, x1, y1]`` (the image grid covers this box)."""
+        if self.fit == "squash" or (self.prepared == "auto" and (width, height) == (self.crop, self.crop)):
+            return [0.0, 0.0, float(width), float(height)]
+        if min(width, height) == self.resize:
+            rw, rh = width, height
+        elif width <= height:
+            rw, rh = self.resize, int(self.resize * height / width)
+        else:
+            rw, rh = int(self.resize * width / height), self.resize
+        left, top = int(round((rw - self.crop) / 2.0)), int(round((rh - self.crop) / 2.0))
+        sx, sy = width / rw, height / rh
+        return [round(left * sx, 1), round(top * sy, 1), round((left + self.crop) * sx, 1),
+                round((top + self.crop) * sy, 1)]
 
     def batch(self, images: list[Image.Image]) -> torch.Tensor:
         return torch.stack([self(im) for im in images]) if images else torch.empty(0, 3, self.crop, self.crop)
 
     def __repr__(self) -> str:
-        return (f"ImageNetTransform(resize={self.resize}, crop={self.crop}, prepared={self.prepared!r}, "
-                f"resample={self.resample!r})")
+        return (f"ImageNetTransform(resize={self.resize}, crop={self.crop}, fit={self.fit!r}, "
+                f"prepared={self.prepared!r}, resample={self.resample!r})")

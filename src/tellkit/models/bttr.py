@@ -287,28 +287,35 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, kv: ProjectedKV, state: dict | None = None):
+    def forward(self, x, kv: ProjectedKV, state: dict | None = None, ctx: dict | None = None):
         """x [N, L, d]; ``kv``: the memory projected by ``cross_attn.project_kv``.
         ``state``: incremental self-attention keys/values (a dict, initially empty); with it
-        ``x`` holds only the newest position(s)."""
+        ``x`` holds only the newest position(s). ``ctx``: what a variant's cross-attention shares
+        between the layers of one decoder pass (see :meth:`cross_attention`)."""
         if state is None:  # full sequence, causal
             h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device))
         else:  # earlier keys/values come from the state
             start = state["k"].shape[2] if "k" in state else 0
             h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device, offset=start), cache=state)
         x = self.norm1(x + self.drop(h))
-        x = self.norm2(x + self.drop(self.cross_attn.attend(x, kv)[0]))
+        x = self.norm2(x + self.drop(self.cross_attention(x, kv, state, ctx)))
         return self.norm3(x + self.drop(self.ff(x)))
+
+    def cross_attention(self, x, kv: ProjectedKV, state: dict | None, ctx: dict | None) -> torch.Tensor:
+        """Cross-attention output [N, L, d] (the hook CoMER's coverage overrides)."""
+        return self.cross_attn.attend(x, kv)[0]
 
 
 class Decoder(nn.Module):
+    layer_class = DecoderLayer
+
     def __init__(self, c: BTTRConfig):
         super().__init__()
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
         self.embed_norm = nn.LayerNorm(c.d_model)
         self.d_model = c.d_model
         self.legacy_positions = SinusoidalPositions(c.d_model) if c.variant == LEGACY else None
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_decoder_layers))
+        self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_decoder_layers))
         self.out = nn.Linear(c.d_model, c.vocab_size)
 
     def positions(self, length: int, start: int, device) -> torch.Tensor:
@@ -355,11 +362,13 @@ def bidirectional_targets(labels: torch.Tensor, lengths: torch.Tensor) -> tuple[
 
 @register_model("bttr", BTTRConfig)
 class BTTR(nn.Module, PretrainedMixin):
+    encoder_class, decoder_class = Encoder, Decoder  # a variant (tellkit.models.comer) swaps them
+
     def __init__(self, config: BTTRConfig):
         super().__init__()
         self.config = config
-        self.encoder = Encoder(config)
-        self.decoder = Decoder(config)
+        self.encoder = self.encoder_class(config)
+        self.decoder = self.decoder_class(config)
 
     def encode(self, image: torch.Tensor, image_mask: torch.Tensor | None = None):
         return self.encoder(image, image_mask)
@@ -368,7 +377,7 @@ class BTTR(nn.Module, PretrainedMixin):
         """Bidirectional teacher-forced loss: both directions share the decoder and the memory."""
         memory, mmask = self.encode(batch["image"], batch.get("image_mask"))
         inp, tgt = bidirectional_targets(batch["labels"], batch["label_lengths"])
-        logits = self.decoder(inp, memory.repeat(2, 1, 1), mmask.repeat(2, 1))
+        logits = self.decoder(inp, memory.repeat(2, 1, 1), torch.cat([mmask, mmask]))
         return {**logits_loss(logits, tgt, ignore_index=PAD), "logits": logits}
 
     # --- decoding API used by tellkit.models.bttr_search ------------------------------

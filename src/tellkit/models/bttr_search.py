@@ -97,7 +97,7 @@ def joint_search(model, image: torch.Tensor, image_mask: torch.Tensor | None = N
     dev = memory.device
     # rows: image i left-to-right at i, right-to-left at b + i
     mem = memory.repeat(dirs, 1, 1)
-    mm = mmask.repeat(dirs, 1)
+    mm = torch.cat([mmask] * dirs)  # (a variant's mask may keep the feature grid's shape)
     start = torch.tensor([SOS] * b + [EOS] * b, device=dev)[: dirs * b]
     end = torch.tensor([EOS] * b + [SOS] * b, device=dev)[: dirs * b]
     hyps = beam_search(model, mem, mm, start, end, beam_size, max_len, use_cache)

@@ -26,8 +26,13 @@ def add_arguments(p) -> None:
     p.add_argument("--split", help="only this split (train / val / test) of --format data")
     p.add_argument("--image-root", help="the images' folder for --format data (default: the loader's own)")
     p.add_argument("--limit", type=int, help="only the first N images")
-    p.add_argument("--image-encoder", help="mobilenet_v2 (offline default), resnet50/101/152")
-    p.add_argument("--image-weights", help="torchvision-layout state dict for the image encoder")
+    p.add_argument("--image-encoder",
+                   help="mobilenet_v2 (offline default), efficientnet_lite0/1/2 (offline), resnet50/101/152 "
+                        "(with --image-weights)")
+    p.add_argument("--image-weights", help="a state dict in the image encoder's layout (default: its offline one)")
+    p.add_argument("--image-fit", choices=("crop", "squash"),
+                   help="how a photo becomes the encoder's square input: crop (default: short side, centre "
+                        "crop) or squash (the whole photo, aspect ratio not kept)")
     p.add_argument("--no-faces", action="store_true", help="skip face detection and embedding")
     p.add_argument("--facenet-weights",
                    help="facenet-pytorch-layout FaceNet file (e.g. VGGFace2); default: packaged CASIA-WebFace")
@@ -89,7 +94,8 @@ def run(args) -> int:
         print("note: --images gives no article text; article features will be empty", file=sys.stderr)
     if args.objects and args.images:
         print("note: --images gives no object vectors (no detector ships); objects will be empty", file=sys.stderr)
-    given = {"image": args.image_encoder, "image_weights": args.image_weights, "article": args.article_encoder,
+    given = {"image": args.image_encoder, "image_weights": args.image_weights, "image_fit": args.image_fit,
+             "article": args.article_encoder,
              "face_weights": args.facenet_weights, "max_faces": args.max_faces}
     encoders = EncodersConfig.from_recipe({k: v for k, v in given.items() if v is not None})
     cfg = FeatureConfig(

@@ -35,14 +35,17 @@ FACE_DIM = 512
 OBJECT_DIM = 2048
 CONTEXT_MODES = ("location_aware", "first_tokens", "other_captions", "none")
 CONTEXT_POLICIES = ("reference", "cut")  # see tellkit.encoders.context
+IMAGE_FITS = ("crop", "squash")  # tellkit.encoders.preprocess.FITS
 
 
 @dataclass
 class EncodersConfig:
     """A recipe's ``encoders:`` section (unknown keys are refused)."""
 
-    image: str = DEFAULT_IMAGE_ENCODER  # mobilenet_v2 | resnet50 | resnet101 | resnet152
+    # mobilenet_v2 | efficientnet_lite0 | efficientnet_lite1 | efficientnet_lite2 | resnet50 | resnet101 | resnet152
+    image: str = DEFAULT_IMAGE_ENCODER
     image_weights: str | None = None  # None: the encoder's offline default; a file; "random"
+    image_fit: str = "crop"  # crop: short side + centre crop; squash: whole photo to a square
     article: str | None = DEFAULT_ARTICLE_ENCODER  # HF name/folder, or static / static:NAME / glove:PATH
     faces: str | None = DEFAULT_FACE_ENCODER  # facenet_casia (packaged) or another FaceNet with face_weights
     face_weights: str | None = None  # a facenet-pytorch-layout state dict (e.g. VGGFace2)
@@ -52,6 +55,8 @@ class EncodersConfig:
     max_faces: int = MAX_FACES
 
     def __post_init__(self) -> None:
+        if self.image_fit not in IMAGE_FITS:
+            raise TellkitError(f"encoders.image_fit must be one of {', '.join(IMAGE_FITS)}, got {self.image_fit!r}")
         if int(self.max_faces) < 0:
             raise TellkitError(f"encoders.max_faces must be >= 0, got {self.max_faces}")
 
@@ -138,8 +143,8 @@ class EncoderBundle:
         from tellkit.encoders.image import build_image_encoder
 
         c = self.config
-        return self._shared(("image", c.image, c.image_weights),
-                            lambda: build_image_encoder(c.image, c.image_weights).to(self.device))
+        return self._shared(("image", c.image, c.image_weights, c.image_fit),
+                            lambda: build_image_encoder(c.image, c.image_weights, c.image_fit).to(self.device))
 
     @functools.cached_property
     def article_encoder(self):
@@ -241,7 +246,7 @@ class EncoderBundle:
         import hashlib
 
         c = self.config
-        keys = [("image", c.image, c.image_weights, p.size, p.mode, hashlib.sha1(p.tobytes()).hexdigest())
+        keys = [("image", c.image, c.image_weights, c.image_fit, p.size, p.mode, hashlib.sha1(p.tobytes()).hexdigest())
                 for p in pils]
         todo = [i for i, k in enumerate(keys) if k not in self.memo]
         if todo:

@@ -80,7 +80,8 @@ class FeatureConfig:
              "dtype": self.dtype, "shard_size": self.shard_size, "max_pixels": self.max_pixels}
         later = {"objects": (self.objects, False), "max_article_tokens": (self.max_article_tokens, 512),
                  "max_faces": (e.max_faces, EncodersConfig.max_faces),
-                 "face_standardization": (e.face_standardization, None)}
+                 "face_standardization": (e.face_standardization, None),
+                 "image_fit": (e.image_fit, EncodersConfig.image_fit)}
         d.update({k: v for k, (v, default) in later.items() if v != default})
         if self.article:  # article states made with the earlier context builder are not reused
             d["context_policy"] = self.context_policy

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tellkit.data.inkml import RenderConfig
 from tellkit.data.latex import Vocab, normalize
 from tellkit.errors import TellkitError
 
@@ -380,10 +381,15 @@ class CrohmeDataset(torch.utils.data.Dataset):
     def __init__(self, exprs: Sequence[Expression], vocab: Vocab | None = None, *, max_pixels: int = 0,
                  max_len: int = 0, drop_unknown: bool = False,
                  render: Callable[[Expression], torch.Tensor] | None = None, bitmap: dict | None = None,
-                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None, ink_augment=None):
         """``render``: strokes -> image for InkML expressions; ``bitmap``: keyword arguments of
         :func:`load_image` for bitmap expressions (crop, scale, ...; its defaults when None);
-        ``augment``: a size-keeping random distortion of each item (:class:`ImageAugment`)."""
+        ``augment``: a size-keeping random distortion of each item (:class:`ImageAugment`);
+        ``ink_augment``: a :class:`tellkit.data.ink_augment.InkAugment` for InkML expressions
+        (``render`` an :class:`tellkit.data.inkml.InkRenderer`): every item is then distorted
+        in stroke space and rendered afresh (never cached) with the renderer's settings. The
+        files are read once here (strokes and symbol segmentation, the bank that symbol
+        substitution draws from); :meth:`sizes` stays the undistorted, cached renders."""
         self.vocab = vocab or Vocab()
         kept = []
         for e in exprs:
@@ -403,6 +409,14 @@ class CrohmeDataset(torch.utils.data.Dataset):
             keep = [i for i, (h, w) in enumerate(sizes) if h * w <= max_pixels]
             self.exprs = [self.exprs[i] for i in keep]
             self._sizes = [sizes[i] for i in keep]
+        self.ink_augment = None
+        if ink_augment is not None:
+            from tellkit.data.ink_augment import InkAugmenter, build_bank, load_inks
+
+            if not isinstance(getattr(render, "config", None), RenderConfig):
+                raise TellkitError("data.augment: the stroke-space keys need InkML data (data.layout: inkml)")
+            self.inks = load_inks(e.image for e in self.exprs)
+            self.ink_augment = InkAugmenter(ink_augment, build_bank(self.inks) if ink_augment.substitute else None)
 
     def __len__(self) -> int:
         return len(self.exprs)
@@ -415,10 +429,21 @@ class CrohmeDataset(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         e = self.exprs[i]
         ids = [self.vocab.stoi.get(t, -1) for t in e.tokens]
-        img = self.image(i)
+        img = self.image(i) if self.ink_augment is None else self.augmented_image(i)
         if self.augment is not None:
             img = self.augment(img)
         return {"id": e.id, "image": img, "labels": ids, "tokens": e.tokens}
+
+    def augmented_image(self, i: int, rng: np.random.Generator | None = None) -> torch.Tensor:
+        """Item ``i`` distorted in stroke space and rendered afresh. ``rng``: by default one per
+        call, seeded from torch's generator (so the training loop's seed reproduces an epoch,
+        and every epoch and data-loading worker draws differently) and the index."""
+        from tellkit.data.inkml import image_to_tensor
+
+        if rng is None:
+            rng = np.random.default_rng([int(torch.randint(0, 2**62, (1,))), i])
+        ink = self.ink_augment(self.inks[i], rng, source=i)
+        return image_to_tensor(ink.render(self.render.config))
 
     def sizes(self) -> list[tuple[int, int]]:
         """(H, W) of every prepared image (computed once; reads each image)."""

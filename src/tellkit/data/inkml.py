@@ -39,6 +39,7 @@ from tellkit.errors import TellkitError
 # this and by the RenderConfig, so a changed renderer never reuses stale images.
 RENDERER_VERSION = 1
 
+_XML_ID = "{http://www.w3.org/XML/1998/namespace}id"
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
@@ -50,6 +51,15 @@ class InkMLError(TellkitError):
         super().__init__(f"{path}: {reason}" + (f" ({detail})" if detail else ""))
 
 
+@dataclass(frozen=True)
+class InkSymbol:
+    """One symbol of an expression's segmentation: its label as the file writes it (``x``,
+    ``\\alpha``, ``-``) and the indices of its strokes in :attr:`InkExpression.strokes`."""
+
+    label: str
+    strokes: tuple[int, ...]
+
+
 @dataclass
 class InkExpression:
     id: str
@@ -57,6 +67,9 @@ class InkExpression:
     strokes: list[np.ndarray]  # each [n, 2] float64 (x, y), y pointing down as written
     truth: str | None = None  # the LaTeX of <annotation type="truth">, $...$ stripped
     writer: str | None = None
+    # the symbol segmentation (one trace group per symbol); empty when the file has none or
+    # an unusable one (a stroke claimed by two symbols)
+    symbols: list[InkSymbol] = field(default_factory=list)
 
 
 def _local(tag: str) -> str:
@@ -98,13 +111,20 @@ def parse_inkml(data: bytes | str, path: str | os.PathLike = "<inkml>", require_
         if root is None:
             raise InkMLError(path, "malformed XML", str(exc)) from None
     strokes: list[np.ndarray] = []
+    trace_index: dict[str, int] = {}  # trace id -> index in strokes (traces with points only)
+    groups = []
     truth = writer = None
     for el in root.iter():
         tag = _local(el.tag) if isinstance(el.tag, str) else ""
         if tag == "trace":
             pts = _parse_points(el.text or "")
             if len(pts):
+                tid = el.get("id") or el.get(_XML_ID)
+                if tid is not None:
+                    trace_index.setdefault(tid.strip(), len(strokes))
                 strokes.append(pts)
+        elif tag == "traceGroup":
+            groups.append(el)
         elif tag == "annotation":
             kind = (el.get("type") or "").strip().lower()
             if kind == "truth" and truth is None and (el.text or "").strip():
@@ -116,7 +136,35 @@ def parse_inkml(data: bytes | str, path: str | os.PathLike = "<inkml>", require_
     if require_truth and not truth:
         raise InkMLError(path, "no truth")
     p = Path(path)
-    return InkExpression(id=p.stem, path=p, strokes=strokes, truth=truth, writer=writer)
+    return InkExpression(id=p.stem, path=p, strokes=strokes, truth=truth, writer=writer,
+                         symbols=_segmentation(groups, trace_index))
+
+
+def _segmentation(groups, trace_index: dict[str, int]) -> list[InkSymbol]:
+    """Symbols from trace groups that label their strokes directly (``<annotation
+    type="truth">`` and ``<traceView traceDataRef=...>`` children; the enclosing
+    "Segmentation" group has neither). A symbol naming a trace that is not in the file is
+    left out; a stroke claimed by two symbols makes the whole segmentation unusable."""
+    symbols: list[InkSymbol] = []
+    seen: set[int] = set()
+    for g in groups:
+        label, refs = None, []
+        for ch in g:
+            tag = _local(ch.tag) if isinstance(ch.tag, str) else ""
+            if tag == "annotation" and (ch.get("type") or "").strip().lower() == "truth" and label is None:
+                label = " ".join((ch.text or "").split()) or None
+            elif tag == "traceView" and ch.get("traceDataRef") is not None:
+                refs.append(ch.get("traceDataRef", "").strip().lstrip("#"))
+        if not label or not refs:
+            continue
+        if any(r not in trace_index for r in refs):
+            continue
+        idx = tuple(dict.fromkeys(trace_index[r] for r in refs))
+        if seen.intersection(idx):
+            return []
+        seen.update(idx)
+        symbols.append(InkSymbol(label, idx))
+    return symbols
 
 
 def read_inkml(path: str | os.PathLike, require_truth: bool = False) -> InkExpression:

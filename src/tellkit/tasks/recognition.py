@@ -58,8 +58,9 @@ class RecognitionData:
     max_len: int = 200
     max_batch_pixels: int = 320_000
     limit: dict[str, int] = field(default_factory=dict)
-    # random size-keeping distortion of training images (tellkit.data.crohme.ImageAugment):
-    # {rotate: degrees, shear: slant, scale: [low, high]}; empty = none (the reference's way)
+    # random distortion of training items; empty = none (the reference's way): image space
+    # (tellkit.data.crohme.ImageAugment: rotate, shear, scale) and, for InkML, stroke space
+    # (tellkit.data.ink_augment.InkAugment: render_scale, ink_rotate, ..., substitute)
     augment: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -92,11 +93,18 @@ class RecognitionData:
 
     def augmenter(self):
         """The training-image distortion of ``augment``, or None."""
-        from tellkit.config import from_dict
-        from tellkit.data.crohme import ImageAugment
+        from tellkit.data.ink_augment import parse_augment
 
-        aug = from_dict(ImageAugment, self.augment or {}, "data.augment")
-        return aug if aug.active else None
+        image, ink = parse_augment(self.augment, "data.augment")
+        if ink is not None and self.layout != "inkml":
+            raise TellkitError("data.augment: the stroke-space keys need data.layout: inkml")
+        return image
+
+    def ink_augmenter(self):
+        """The stroke-space distortion of ``augment`` (InkML training data), or None."""
+        from tellkit.data.ink_augment import parse_augment
+
+        return parse_augment(self.augment, "data.augment")[1]
 
     def cache_dir(self) -> Path | None:
         from tellkit.data.inkml import default_cache_dir
@@ -193,7 +201,8 @@ class RecognitionTask(Task):
         return CrohmeDataset(exprs, self.vocab, bitmap=d.bitmap_kwargs(),
                              max_pixels=int(d.max_pixels) if is_train else 0,
                              max_len=int(d.max_len) if is_train else 0, drop_unknown=is_train, render=render,
-                             augment=d.augmenter() if is_train else None)
+                             augment=d.augmenter() if is_train else None,
+                             ink_augment=d.ink_augmenter() if is_train and render is not None else None)
 
     def collate(self, samples):
         from tellkit.data.crohme import collate
@@ -244,7 +253,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, half: bool = True
     from tellkit.training.export import export_checkpoint as export_any
 
     family = read_checkpoint_config(checkpoint)["family"]
-    if family != "bttr":
+    if family not in ("bttr", "comer"):  # CoMER is BTTR with coverage
         raise TellkitError(f"{checkpoint}: holds a '{family}' model, not BTTR")
     return export_any(checkpoint, out, half=half, note=note)
 

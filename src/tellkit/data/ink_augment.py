@@ -1,0 +1,340 @@
+"""Augmentation of handwritten expressions in pen-stroke space, before they are rendered.
+
+The CROHME training set is pen strokes (InkML), so a distortion can be applied where it is free
+and exact: to the trajectories, before :func:`tellkit.data.inkml.render_strokes` draws them.
+Each switch of :class:`InkAugment` is off by default; the recipe turns them on under
+``data.augment`` (beside the image-space keys of :class:`tellkit.data.crohme.ImageAugment`),
+and :func:`parse_augment` reads and validates both when the recipe is read.
+
+Sizes are relative to the expression's own handwriting: ``S`` below is the median stroke size
+(:func:`tellkit.data.inkml.stroke_scale`, the same measure the renderer normalises by).
+
+* ``render_scale: [lo, hi]``: the rendered size (the renderer's ``stroke_size``) times
+  k ~ U(lo, hi), CoMER's ``scale_aug`` with (0.7, 1.4); the pixel cap still applies.
+* ``ink_rotate`` (degrees) and ``ink_shear`` (slant, x += shear * y): the whole expression,
+  each drawn uniformly in [-value, value].
+* ``stroke_shift`` (x S), ``stroke_scale`` (relative) and ``stroke_rotate`` (degrees): each
+  stroke moved, resized and turned about its own centre, independently of the others.
+* ``elastic`` (x S) with ``elastic_wavelength`` (x S): a smooth random displacement field, a
+  sum of a few sinusoidal plane waves, added to every point.
+* ``pen_width: [lo, hi]``: the pen width in pixels drawn uniformly (instead of the renderer's).
+* ``substitute`` (a probability per symbol): symbols of the file's segmentation are redrawn
+  with the strokes of the same symbol from another training file (another writer where the
+  files say who wrote them), fitted to the original symbol's box; the label is unchanged.
+  Files without a segmentation keep their symbols.
+
+Randomness comes only from the ``numpy.random.Generator`` passed in, so a seed reproduces a
+sample exactly; :class:`tellkit.data.crohme.CrohmeDataset` derives one per sample from torch's
+generator, which the training loop seeds, checkpoints and varies per epoch and worker.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tellkit.data.inkml import InkExpression, InkMLError, InkSymbol, RenderConfig, read_inkml, stroke_scale
+from tellkit.errors import TellkitError
+
+WHERE = "data.augment"
+
+
+def _number(name: str, value: Any, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TellkitError(f"{WHERE}.{name}: expected a number in [{lo:g}, {hi:g}], got {value!r}")
+    if not lo <= value <= hi:
+        raise TellkitError(f"{WHERE}.{name}: expected a number in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def _range(name: str, value: Any, lo: float, hi: float, allow_zero: bool = False) -> tuple[float, float]:
+    msg = f"{WHERE}.{name}: expected [low, high] with {lo:g} < low <= high <= {hi:g}"
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) for v in value):
+        raise TellkitError(f"{msg}, got {value!r}")
+    a, b = float(value[0]), float(value[1])
+    if allow_zero and a == b == 0:
+        return (0.0, 0.0)
+    if not lo < a <= b <= hi:
+        raise TellkitError(f"{msg}, got {value!r}")
+    return (a, b)
+
+
+@dataclass
+class InkAugment:
+    """The stroke-space switches of ``data.augment`` (module docstring); all off by default."""
+
+    render_scale: tuple[float, float] = (1.0, 1.0)
+    ink_rotate: float = 0.0
+    ink_shear: float = 0.0
+    stroke_shift: float = 0.0
+    stroke_scale: float = 0.0
+    stroke_rotate: float = 0.0
+    elastic: float = 0.0
+    elastic_wavelength: float = 4.0
+    pen_width: tuple[float, float] = (0.0, 0.0)  # (0, 0): the renderer's pen
+    substitute: float = 0.0
+
+    def __post_init__(self):
+        self.render_scale = _range("render_scale", self.render_scale, 0.0, 3.0)
+        self.ink_rotate = _number("ink_rotate", self.ink_rotate, 0, 30)
+        self.ink_shear = _number("ink_shear", self.ink_shear, 0, 1)
+        self.stroke_shift = _number("stroke_shift", self.stroke_shift, 0, 1)
+        self.stroke_scale = _number("stroke_scale", self.stroke_scale, 0, 0.5)
+        self.stroke_rotate = _number("stroke_rotate", self.stroke_rotate, 0, 45)
+        self.elastic = _number("elastic", self.elastic, 0, 1)
+        self.elastic_wavelength = _number("elastic_wavelength", self.elastic_wavelength, 0.5, 100)
+        self.pen_width = _range("pen_width", self.pen_width, 0.0, 20.0, allow_zero=True)
+        self.substitute = _number("substitute", self.substitute, 0, 1)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.render_scale != (1.0, 1.0) or self.ink_rotate or self.ink_shear or self.stroke_shift
+                    or self.stroke_scale or self.stroke_rotate or self.elastic or self.pen_width != (0.0, 0.0)
+                    or self.substitute)
+
+
+def parse_augment(mapping: Mapping[str, Any] | None, where: str = WHERE):
+    """``data.augment`` -> ``(ImageAugment or None, InkAugment or None)``: the image-space keys
+    (``rotate``, ``shear``, ``scale``) and the stroke-space keys, each None when all its
+    switches are off. Unknown keys and bad values raise a one-line :class:`TellkitError`."""
+    from tellkit.config import from_dict
+    from tellkit.data.crohme import ImageAugment
+
+    d = dict(mapping or {})
+    image_keys = {f.name for f in dataclasses.fields(ImageAugment)}
+    ink_keys = {f.name for f in dataclasses.fields(InkAugment)}
+    unknown = sorted(set(d) - image_keys - ink_keys)
+    if unknown:
+        known = ", ".join(sorted(image_keys | ink_keys))
+        raise TellkitError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {known}")
+    image = from_dict(ImageAugment, {k: v for k, v in d.items() if k in image_keys}, where)
+    ink = from_dict(InkAugment, {k: v for k, v in d.items() if k in ink_keys}, where)
+    return (image if image.active else None), (ink if ink.active else None)
+
+
+# --- the symbol bank ------------------------------------------------------------------------------
+@dataclass
+class _Donor:
+    source: int  # index of the expression it comes from
+    writer: str | None
+    strokes: list[np.ndarray]
+    scale: float  # the median stroke size of its expression
+
+
+@dataclass
+class SymbolBank:
+    """Every segmented symbol of a set of expressions, by label."""
+
+    by_label: dict[str, list[_Donor]] = field(default_factory=dict)
+
+    def add(self, source: int, expr: InkExpression) -> None:
+        if not expr.symbols:
+            return
+        s = stroke_scale(expr.strokes)
+        for sym in expr.symbols:
+            self.by_label.setdefault(sym.label, []).append(
+                _Donor(source, expr.writer, [expr.strokes[i] for i in sym.strokes], s))
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.by_label.values())
+
+    def draw(self, label: str, rng: np.random.Generator, source: int | None, writer: str | None,
+             tries: int = 8) -> _Donor | None:
+        """A random version of ``label`` from another expression (and another writer when both
+        are known), or None when a few draws find none."""
+        pool = self.by_label.get(label)
+        if not pool:
+            return None
+        for _ in range(tries):
+            d = pool[int(rng.integers(len(pool)))]
+            if source is not None and d.source == source:
+                continue
+            if writer is not None and d.writer == writer:
+                continue
+            return d
+        return None
+
+
+def fit_to_box(strokes: Sequence[np.ndarray], lo: np.ndarray, hi: np.ndarray, target_scale: float,
+               donor_scale: float) -> list[np.ndarray] | None:
+    """Move and resize ``strokes`` (a donor symbol) onto the box ``lo``-``hi`` of the symbol
+    it replaces, centred. Both sides are fitted when both symbols have a real width and height
+    (the aspect ratio changes by at most 1.5, so the result stays inside the box); a thin
+    symbol (one side under a fifth of the other: ``-``, ``1``, ``|``) is scaled by its long
+    side, and its thin side keeps the donor's thickness relative to the donor's handwriting;
+    a dot (smaller than a quarter of a stroke) keeps its size relative to the handwriting."""
+    pts = np.concatenate(strokes)
+    dlo, dhi = pts.min(0), pts.max(0)
+    dext, text = dhi - dlo, hi - lo
+    rel = target_scale / donor_scale
+    if text.max() < 0.25 * target_scale:
+        sx = sy = rel
+    else:
+        thin_t = text < 0.2 * text.max()
+        thin_d = dext < 0.2 * dext.max() if dext.max() > 0 else np.array([True, True])
+        if thin_t.any() or thin_d.any():
+            long_axis = int(np.argmax(text))
+            if dext[long_axis] <= 0:
+                return None
+            s = text[long_axis] / dext[long_axis]
+            sc = np.array([s, s])
+            short = 1 - long_axis
+            sc[short] = min(s, max(rel, text[short] / dext[short] if dext[short] > 0 else 0.0))
+            sx, sy = float(sc[0]), float(sc[1])
+        else:
+            sx, sy = float(text[0] / dext[0]), float(text[1] / dext[1])
+            if sx > 1.5 * sy:
+                sx = 1.5 * sy
+            elif sy > 1.5 * sx:
+                sy = 1.5 * sx
+    k = np.array([sx, sy])
+    c_d, c_t = (dlo + dhi) / 2, (lo + hi) / 2
+    return [(a - c_d) * k + c_t for a in strokes]
+
+
+# --- the augmenter ------------------------------------------------------------------------------
+@dataclass
+class AugmentedInk:
+    strokes: list[np.ndarray]
+    symbols: list[InkSymbol]
+    scale: float = 1.0  # times the renderer's stroke_size
+    line_width: float | None = None  # the pen in pixels (None: the renderer's)
+    substituted: list[int] = field(default_factory=list)  # indices into symbols
+
+    def render_config(self, base: RenderConfig) -> RenderConfig:
+        if self.scale == 1.0 and self.line_width is None:
+            return base
+        kw: dict[str, Any] = {"stroke_size": base.stroke_size * self.scale}
+        if self.line_width is not None:
+            kw["line_width"] = self.line_width
+        return dataclasses.replace(base, **kw)
+
+    def render(self, base: RenderConfig):
+        from tellkit.data.inkml import render_strokes
+
+        return render_strokes(self.strokes, self.render_config(base))
+
+
+def _rot(deg: float) -> np.ndarray:
+    a = math.radians(deg)
+    return np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+
+
+class InkAugmenter:
+    """Applies an :class:`InkAugment` to expressions: ``augmenter(expr, rng) -> AugmentedInk``.
+
+    ``bank``: the symbols that substitution draws from (needed only for ``substitute``)."""
+
+    def __init__(self, config: InkAugment, bank: SymbolBank | None = None):
+        self.config = config
+        self.bank = bank
+        if config.substitute and bank is None:
+            raise TellkitError(f"{WHERE}.substitute: needs a bank of symbols (InkML training data)")
+
+    def __call__(self, expr: InkExpression, rng: np.random.Generator, source: int | None = None) -> AugmentedInk:
+        c = self.config
+        strokes = list(expr.strokes)
+        symbols = list(expr.symbols)
+        out = AugmentedInk(strokes, symbols)
+        S = stroke_scale(strokes)
+        if c.substitute and symbols and self.bank is not None:
+            self._substitute(out, rng, S, source, expr.writer)
+        if c.stroke_shift or c.stroke_scale or c.stroke_rotate:
+            out.strokes = [self._jitter(a, rng, S) for a in out.strokes]
+        if c.elastic:
+            out.strokes = self._elastic(out.strokes, rng, S)
+        if c.ink_rotate or c.ink_shear:
+            ang = rng.uniform(-c.ink_rotate, c.ink_rotate) if c.ink_rotate else 0.0
+            sh = rng.uniform(-c.ink_shear, c.ink_shear) if c.ink_shear else 0.0
+            m = _rot(ang) @ np.array([[1.0, sh], [0.0, 1.0]])
+            allp = np.concatenate(out.strokes)
+            ctr = (allp.min(0) + allp.max(0)) / 2
+            out.strokes = [(a - ctr) @ m.T + ctr for a in out.strokes]
+        if c.render_scale != (1.0, 1.0):
+            out.scale = float(rng.uniform(*c.render_scale))
+        if c.pen_width != (0.0, 0.0):
+            out.line_width = float(rng.uniform(*c.pen_width))
+        return out
+
+    def _jitter(self, a: np.ndarray, rng: np.random.Generator, S: float) -> np.ndarray:
+        c = self.config
+        u = rng.uniform(-1.0, 1.0, size=4)  # shift x, shift y, rotation, scale
+        ctr = (a.min(0) + a.max(0)) / 2
+        m = _rot(u[2] * c.stroke_rotate) * (1.0 + u[3] * c.stroke_scale)
+        return (a - ctr) @ m.T + ctr + u[:2] * (c.stroke_shift * S)
+
+    def _elastic(self, strokes: list[np.ndarray], rng: np.random.Generator, S: float,
+                 waves: int = 3) -> list[np.ndarray]:
+        c = self.config
+        wl = c.elastic_wavelength * S
+        # per axis of displacement: `waves` plane waves of random direction, wavelength
+        # (0.7-1.4 x wl), phase and weight; their sum has a standard deviation of about amp
+        theta = rng.uniform(0, 2 * math.pi, size=(2, waves))
+        k = 2 * math.pi / (wl * rng.uniform(0.7, 1.4, size=(2, waves)))
+        kv = np.stack([np.cos(theta) * k, np.sin(theta) * k], -1)  # [2, waves, 2]
+        phase = rng.uniform(0, 2 * math.pi, size=(2, waves))
+        weight = rng.normal(size=(2, waves)) * (c.elastic * S * math.sqrt(2.0 / waves))
+        out = []
+        for a in strokes:
+            arg = np.einsum("nd,awd->naw", a, kv) + phase  # [n, 2, waves]
+            out.append(a + (np.sin(arg) * weight).sum(-1))
+        return out
+
+    def _substitute(self, out: AugmentedInk, rng: np.random.Generator, S: float, source: int | None,
+                    writer: str | None) -> None:
+        p = self.config.substitute
+        draws = rng.random(len(out.symbols))
+        new_strokes: list[np.ndarray] = []
+        placed: dict[int, list[int]] = {}  # old stroke index -> new indices (for unchanged strokes)
+        replaced: dict[int, list[np.ndarray]] = {}  # symbol index -> its new strokes
+        for j, sym in enumerate(out.symbols):
+            if draws[j] >= p:
+                continue
+            donor = self.bank.draw(sym.label, rng, source, writer)
+            if donor is None:
+                continue
+            pts = np.concatenate([out.strokes[i] for i in sym.strokes])
+            fitted = fit_to_box(donor.strokes, pts.min(0), pts.max(0), S, donor.scale)
+            if fitted is not None:
+                replaced[j] = fitted
+        if not replaced:
+            return
+        gone = {i for j in replaced for i in out.symbols[j].strokes}
+        for i, a in enumerate(out.strokes):
+            if i not in gone:
+                placed[i] = [len(new_strokes)]
+                new_strokes.append(a)
+        symbols = []
+        for j, sym in enumerate(out.symbols):
+            if j in replaced:
+                idx = tuple(range(len(new_strokes), len(new_strokes) + len(replaced[j])))
+                new_strokes.extend(replaced[j])
+                out.substituted.append(j)
+            else:
+                idx = tuple(placed[i][0] for i in sym.strokes)
+            symbols.append(InkSymbol(sym.label, idx))
+        out.strokes, out.symbols = new_strokes, symbols
+
+
+def load_inks(paths: Iterable[str | os.PathLike]) -> list[InkExpression]:
+    """The strokes and segmentation of InkML files (for augmenting them afresh each epoch)."""
+    out = []
+    for p in paths:
+        try:
+            out.append(read_inkml(p))
+        except InkMLError as exc:
+            raise TellkitError(f"{WHERE}: cannot read {p} for augmentation ({exc.reason})") from None
+    return out
+
+
+def build_bank(inks: Sequence[InkExpression]) -> SymbolBank:
+    bank = SymbolBank()
+    for i, e in enumerate(inks):
+        bank.add(i, e)
+    return bank

@@ -261,6 +261,64 @@ def test_gehring_linear_weight_norm_and_init():
     assert set(dict(plain.named_parameters())) == {"weight"}
 
 
+def test_gehring_linear_folds_once_for_inference_and_never_goes_stale():
+    from tellkit.layers.linear import GehringLinear
+
+    torch.manual_seed(0)
+    lin = GehringLinear(40, 30)
+    with torch.no_grad():
+        lin.weight_g.mul_(torch.rand(30, 1) + 0.5)  # g != ||v||: folding has something to do
+    x = torch.randn(5, 40)
+    y_train = lin(x)
+    lin.eval()
+    with torch.no_grad():
+        y0 = lin(x)
+        w0 = lin.effective_weight()
+        assert lin.effective_weight() is w0  # folded once, then reused
+        assert torch.equal(lin(x), y0)       # identical to the first (folding) call
+    torch.testing.assert_close(y0, y_train.detach(), rtol=0, atol=0)  # same formula as training
+
+    # an optimiser step in eval mode (in place, bumps the version counter) changes the output
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    loss = lin(x).pow(2).sum()  # grad enabled + trainable: computed fresh, gradients flow
+    loss.backward()
+    assert lin.weight_v.grad.abs().sum() > 0 and lin.weight_g.grad.abs().sum() > 0
+    opt.step()
+    with torch.no_grad():
+        y1 = lin(x)
+        expect = torch.nn.functional.linear(
+            x, lin.weight_v * lin.weight_g / lin.weight_v.norm(dim=1, keepdim=True), lin.bias)
+    assert not torch.equal(y1, y0)
+    torch.testing.assert_close(y1, expect)
+
+    # load_state_dict, copy_ under no_grad, and replacing a parameter tensor are all seen
+    other = GehringLinear(40, 30)
+    lin.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), other(x))
+        lin.weight_g.copy_(lin.weight_g * 2)
+        torch.testing.assert_close(lin(x), other(x) * 2 - other.bias)  # bias is 0 at init anyway
+    lin.weight_v = nn.Parameter(torch.randn(30, 40))
+    with torch.no_grad():
+        w = lin.effective_weight()
+        torch.testing.assert_close(w, lin.weight_v * lin.weight_g / lin.weight_v.norm(dim=1, keepdim=True))
+    # writes through .data bypass the version counter: clear_folded() is the documented way out
+    with torch.no_grad():
+        lin(x)
+        lin.weight_g.data.mul_(3)
+        lin.clear_folded()
+        torch.testing.assert_close(lin.effective_weight().norm(dim=1, keepdim=True), lin.weight_g)
+
+    # training mode never uses a folded copy, and gradients flow through g and v
+    lin.train()
+    assert lin._folded is None
+    lin.zero_grad()
+    lin(x).sum().backward()
+    assert lin.weight_v.grad is not None and lin.weight_g.grad is not None
+    # nothing of the fold is saved
+    assert set(lin.state_dict()) == {"weight_g", "weight_v", "bias"}
+
+
 def test_adaptive_input_band_padding_rows_are_zero_and_frozen():
     emb = AdaptiveInput(50, 8, [10, 30], 1.0, padding_idx=1, band_padding_idx=0)
     for band in emb.embeddings:
@@ -270,6 +328,17 @@ def test_adaptive_input_band_padding_rows_are_zero_and_frozen():
     out.sum().backward()
     for band in emb.embeddings:
         assert band.weight.grad[0].abs().sum() == 0
+
+
+def test_band_padding_rows_are_trained_through_the_tied_softmax():
+    # the reference ties the head's word weights to band 0 and each tail's output weights to its
+    # band, so rows 0 / cutoff_1 / cutoff_2 are logits of the softmax: only the input lookup skips them
+    emb = AdaptiveInput(50, 8, [10, 30], 1.0, padding_idx=1, band_padding_idx=0)
+    sm = AdaptiveSoftmax(50, 8, [10, 30], 1.0, tied_to=emb)
+    x = torch.randn(6, 8)
+    sm.target_log_probs(x, torch.tensor([3, 12, 35, 0, 10, 30])).sum().backward()
+    for band in emb.embeddings:
+        assert band.weight.grad[0].abs().sum() > 0
 
 
 def test_adaptive_softmax_reference_loss_drops_in_cluster_term_of_relative_pad():

@@ -156,6 +156,42 @@ def test_batched_generation_equals_one_by_one(beam):
         assert one["scores"][0] == pytest.approx(batched["scores"][i], abs=1e-4)
 
 
+def test_folded_weights_give_the_same_captions_and_follow_parameter_updates(monkeypatch):
+    from tellkit.layers.linear import GehringLinear
+
+    m = tiny(gehring_linear=True).eval()
+    lins = [x for x in m.modules() if isinstance(x, GehringLinear) and x.weight_norm]
+    assert lins
+    with torch.no_grad():  # magnitudes away from ||v||, so the folded weight differs from v
+        for lin in lins:
+            lin.weight_g.mul_(torch.rand_like(lin.weight_g) + 0.5)
+    b = make_batch(B=3)
+    kw = dict(max_len=8, beam_size=2)
+    folded = m.generate(b, **kw)
+    assert all(lin._folded is not None for lin in lins)
+    with torch.no_grad():
+        lp_folded = m.log_probs(b)
+    # the unfolded path: recompute g * v / ||v|| at every call (as before folding existed)
+    with monkeypatch.context() as mp:
+        mp.setattr(GehringLinear, "_fold_is_current", staticmethod(lambda *a: False))
+        unfolded = m.generate(b, **kw)
+        with torch.no_grad():
+            lp_unfolded = m.log_probs(b)
+    assert folded["tokens"] == unfolded["tokens"] and folded["scores"] == unfolded["scores"]
+    torch.testing.assert_close(lp_folded, lp_unfolded, atol=0, rtol=0)
+    # a parameter update after folding (an optimiser step on the eval-mode model) is used at once
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    m(b)["loss"].backward()  # eval mode, autograd on: the weights are computed fresh, gradients flow
+    assert all(lin.weight_v.grad is not None and lin.weight_g.grad is not None for lin in lins)
+    opt.step()
+    with torch.no_grad():
+        lp_after = m.log_probs(b)
+        assert not torch.equal(lp_after, lp_folded)
+        with monkeypatch.context() as mp:
+            mp.setattr(GehringLinear, "_fold_is_current", staticmethod(lambda *a: False))
+            torch.testing.assert_close(lp_after, m.log_probs(b), atol=0, rtol=0)
+
+
 def test_beam_search_n_best_and_length_penalty():
     m = tiny().eval()
     out = m.generate(make_batch(B=2), max_len=6, beam_size=4, n_best=3, length_penalty=0.5)

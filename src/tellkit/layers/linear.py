@@ -11,6 +11,17 @@ reference decoder uses for its dynamic-convolution projections, context projecti
 The parameter names (``weight_g``, ``weight_v``, ``bias``) are those PyTorch's ``weight_norm``
 gives, so weights of the reference port without renaming. ``weight_norm=False`` gives a plain
 linear layer with the same initialisation.
+
+Folding for inference: computing g * v / ||v|| at every call reads each weight twice per decoding
+step. When no gradient can flow into the layer (eval mode, and autograd off or the parameters
+frozen) the folded weight is kept and reused, but only while both parameters are the very tensors
+it was folded from, unchanged: the same storage and the same autograd version counter, which every
+in-place update of a parameter bumps (optimiser steps, ``load_state_dict``, ``reset_parameters``,
+``copy_`` / ``mul_`` under ``no_grad``, ``swa_utils``). Training mode, ``train()`` / ``eval()``
+and moving the module (``to``, ``half``) drop it; nothing of it is saved (``state_dict`` holds
+only ``weight_g`` / ``weight_v``). Writes through ``param.data``, which PyTorch hides from the
+version counter on purpose, are the one path it cannot see: update parameters in place through
+the parameter itself (as ``torch.optim`` does), or call ``clear_folded()``.
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ class GehringLinear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._folded: tuple | None = None  # (weight, v, g, v version, g version)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -47,11 +59,44 @@ class GehringLinear(nn.Module):
                 self.bias.zero_()
 
     def effective_weight(self) -> torch.Tensor:
-        """The weight matrix [out, in] the layer applies."""
+        """The weight matrix [out, in] the layer applies (folded once for inference, see above)."""
         if not self.weight_norm:
             return self.weight
-        v = self.weight_v
-        return v * (self.weight_g / v.norm(dim=1, keepdim=True))
+        v, g = self.weight_v, self.weight_g
+        needs_grad = torch.is_grad_enabled() and (v.requires_grad or g.requires_grad)
+        if self.training or needs_grad:
+            self._folded = None  # no stale copy outlives a training step
+            return v * (g / v.norm(dim=1, keepdim=True))
+        cached = self._folded
+        if cached is not None and self._fold_is_current(cached, v, g):
+            return cached[0]
+        with torch.no_grad():
+            w = v * (g / v.norm(dim=1, keepdim=True))
+            # the stored v / g are detached aliases: they keep the folded-from storage alive, so a
+            # new parameter tensor can never sit at the same address with the same version
+            self._folded = (w, v.detach(), g.detach(), v._version, g._version)
+        return w
+
+    @staticmethod
+    def _fold_is_current(cached: tuple, v: torch.Tensor, g: torch.Tensor) -> bool:
+        w, v0, g0, v_version, g_version = cached
+        if w.is_inference() and not torch.is_inference_mode_enabled():
+            return False  # folded under inference_mode: not usable outside it
+        return (v._version == v_version and g._version == g_version
+                and v.data_ptr() == v0.data_ptr() and g.data_ptr() == g0.data_ptr()
+                and v.dtype == w.dtype and v.device == w.device and v.shape == v0.shape)
+
+    def train(self, mode: bool = True):
+        self.clear_folded()
+        return super().train(mode)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.clear_folded()
+        return super()._apply(fn, *args, **kwargs)
+
+    def clear_folded(self) -> None:
+        """Forget the folded inference weight (the next call folds again)."""
+        self._folded = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.effective_weight(), self.bias)

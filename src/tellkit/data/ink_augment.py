@@ -338,3 +338,67 @@ def build_bank(inks: Sequence[InkExpression]) -> SymbolBank:
     for i, e in enumerate(inks):
         bank.add(i, e)
     return bank
+
+
+def measure(root: str | os.PathLike, augment: Mapping[str, Any], render: Mapping[str, Any] | None = None,
+            n: int = 200, bank_files: int = 2000, seed: int = 0) -> dict[str, float]:
+    """Milliseconds per expression for ``n`` training files of the InkML ``root``: read from a
+    render cache, rendered as they are, and augmented with ``augment`` (a ``data.augment``
+    mapping) and rendered, the symbol bank built from ``bank_files`` files (strokes are read
+    beforehand, as the dataset does)."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from PIL import Image
+
+    from tellkit.config import from_dict
+    from tellkit.data.inkml import render_strokes
+
+    files = sorted((Path(root) / "train").rglob("*.inkml"))
+    if not files:
+        raise TellkitError(f"no InkML training files under {root}/train")
+    rs = np.random.default_rng(seed)
+    pick = sorted(rs.choice(len(files), min(len(files), max(n, bank_files)), replace=False).tolist())
+    inks = []
+    for i in pick:
+        try:
+            inks.append(read_inkml(files[i]))
+        except InkMLError:
+            continue
+    _, cfg = parse_augment(augment)
+    if cfg is None:
+        raise TellkitError(f"{WHERE}: no stroke-space switch is on")
+    aug = InkAugmenter(cfg, build_bank(inks) if cfg.substitute else None)
+    base = from_dict(RenderConfig, dict(render or {}), "data.render")
+    sample = inks[:n]
+    t0 = time.perf_counter()
+    plain = [render_strokes(e.strokes, base) for e in sample]
+    t1 = time.perf_counter()
+    for i, e in enumerate(sample):
+        aug(e, np.random.default_rng([seed, i]), source=i).render(base)
+    t2 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:  # what an unaugmented epoch reads: the render cache
+        for i, im in enumerate(plain):
+            im.save(f"{tmp}/{i}.png")
+        t3 = time.perf_counter()
+        for i in range(len(plain)):
+            with Image.open(f"{tmp}/{i}.png") as im:
+                im.convert("L")
+        t4 = time.perf_counter()
+    ms = 1e3 / len(sample)
+    return {"n": len(sample), "cached_ms": round((t4 - t3) * ms, 2), "render_ms": round((t1 - t0) * ms, 2),
+            "augmented_ms": round((t2 - t1) * ms, 2)}
+
+
+if __name__ == "__main__":  # python -m tellkit.data.ink_augment DATA_ROOT RECIPE
+    import json
+    import sys
+
+    from tellkit.config import load_yaml
+
+    if len(sys.argv) != 3:
+        raise SystemExit("usage: python -m tellkit.data.ink_augment CROHME_INKML_ROOT RECIPE.yaml")
+    recipe = load_yaml(sys.argv[2])
+    data = recipe.get("data") or {}
+    print(json.dumps(measure(sys.argv[1], data.get("augment") or {}, data.get("render")), indent=1))

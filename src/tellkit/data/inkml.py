@@ -4,7 +4,10 @@ Reading (:func:`read_inkml`) accepts what real files contain: the InkML namespac
 2- or 3-channel points (``X Y`` or ``X Y T``; only X and Y are used), traces listed flat or
 inside trace groups, commas and whitespace in any mix. A file that cannot be used raises
 :class:`InkMLError` with a short reason (``malformed XML``, ``no traces``, ``no truth``);
-:func:`scan_folder` skips such files and counts the reasons instead of stopping.
+:func:`scan_folder` skips such files and counts the reasons instead of stopping. The symbol
+segmentation that CROHME training files carry (a trace group per symbol: its label and the ids
+of its traces) comes back as :attr:`InkExpression.symbols` (empty when a file has none); stroke
+augmentation (:mod:`tellkit.data.ink_augment`) redraws symbols with it.
 
 Rendering (:func:`render_strokes`) turns strokes into the kind of bitmap the offline HMER papers
 (WAP, DenseWAP, BTTR, CoMER) trained on: black ink on white, tight around the expression,
@@ -277,7 +280,8 @@ def render_strokes(strokes: Iterable, config: RenderConfig | None = None):
     pen = max(1, int(round(c.line_width * ss)))
     r = pen / 2
     for a in arrs:
-        xy = [((x - lo[0]) * f * ss + off * ss, (y - lo[1]) * f * ss + off * ss) for x, y in a]
+        # the same arithmetic, element by element, as a per-point Python loop (same pixels), faster
+        xy = [tuple(p) for p in ((a - lo) * f * ss + off * ss).tolist()]
         if len(xy) > 1:
             draw.line(xy, fill=0, width=pen, joint="curve")
         for x, y in (xy[0], xy[-1]) if len(xy) > 1 else xy:  # round caps (and dots)

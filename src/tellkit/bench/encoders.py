@@ -1,5 +1,6 @@
 """Per-image latency of the frozen encoders (batch 1, best of several runs), at 1 and 2 CPU
-threads (or on the given device): pre-processing, MobileNetV2 and ResNet-152 grids, MTCNN on a
+threads (or on the given device): pre-processing, the MobileNetV2, EfficientNet-Lite0/1/2 (each
+at its own input size: 224, 240, 260) and ResNet-152 grids (pre-processing included), MTCNN on a
 portrait and on a photo without faces, FaceNet per face, the article encoder on 512 tokens
 (packaged MiniLM; RoBERTa-large with random weights, same cost as the real one, unless quick),
 and the caption tokenizer. Real photos come from scikit-image's bundled samples."""
@@ -31,6 +32,7 @@ def _cases(quick: bool, device: str) -> dict[str, Any]:
     portrait, no_face = load_image(path), load_image(_photo_path("coffee.png"))
     transform = ImageNetTransform()
     mobilenet = build_image_encoder("mobilenet_v2").to(device)
+    lites = {v: build_image_encoder(f"efficientnet_{v}").to(device) for v in ("lite0", "lite1", "lite2")}
     faces = FaceEncoder().to(device) if device == "cpu" else None
     crop = torch.randint(0, 255, (1, 160, 160, 3), dtype=torch.uint8).numpy()
     article = ArticleEncoder().to(device)
@@ -42,6 +44,7 @@ def _cases(quick: bool, device: str) -> dict[str, Any]:
         "load_image_512px": lambda: load_image(path),
         "preprocess_224": lambda: transform(portrait),
         "mobilenet_v2_grid": lambda: mobilenet.encode([portrait]),
+        **{f"efficientnet_{v}_grid": (lambda enc=enc: enc.encode([portrait])) for v, enc in lites.items()},
         "minilm_512_tokens": lambda: article.encode([text], max_tokens=512),
         "caption_tokenizer_encode": lambda: tok.encode(caption),
     }

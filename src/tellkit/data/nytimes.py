@@ -13,8 +13,9 @@ Each caption section gives one sample; its image is ``<image_root>/<hash>.jpg`` 
 What a sample carries in ``sample.extra`` (float32 numpy arrays, as the reference fed them):
 
 - ``faces`` [F, 512]: the shipped FaceNet embeddings of the caption section, the first
-  ``max_faces`` (4; they are stored largest first), present whenever the section has
-  ``facenet_details`` (F = 0: the data set found no face), absent otherwise;
+  ``max_faces`` (4; they are stored largest first). The dump records ``facenet_details`` only
+  where faces were found, so a caption section without it is a recorded "no face": F = 0, as the
+  reference reads it (never a reason to run a detector);
 - ``objects`` [O, 2048]: with ``objects=True``, the image's document in collection ``objects``
   (``_id`` = image hash, ``object_features``: up to 64 YOLOv3 boxes through ResNet-152),
   at most ``max_objects``; O = 0 when the collection has the image with no box, absent when it
@@ -70,9 +71,9 @@ def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike 
             continue
         paragraphs, image_index = split_parsed_section(sections, pos)
         extra: dict[str, Any] = {}
-        if isinstance(sec.get("facenet_details"), dict):
-            extra["faces"] = vectors(sec["facenet_details"].get("embeddings"), FACE_DIM, max_faces,
-                                     f"faces of image {sec['hash']}")
+        found = sec.get("facenet_details")  # stored only where faces were found: absent = none
+        extra["faces"] = vectors(found.get("embeddings") if isinstance(found, dict) else None, FACE_DIM,
+                                 max_faces, f"faces of image {sec['hash']}")
         if objects is not None and str(sec["hash"]) in objects:
             extra["objects"] = vectors(objects[str(sec["hash"])], OBJECT_DIM, max_objects,
                                        f"objects of image {sec['hash']}")

@@ -23,7 +23,8 @@ sets); with it, each split's image grids, faces and article states are extracted
 into ``DIR/<split>-<context>/`` by ``tellkit.encoders.features`` (the ``tellkit features``
 format, resumable) and read from there. Precomputed face embeddings and object vectors that a
 data set ships (NYTimes800k: ``sample.extra["faces"]``, ``sample.extra["objects"]``) are used
-instead of the detectors.
+instead of the detectors; a recorded empty face set stays empty (masked), and faces are detected
+only for images with no record (GoodNews' release, a user's own photo).
 
 Evaluation unit: news captions are scored one reference per image; for caption sets with several
 captions per image and no context (COCO, Flickr8k), one caption is generated per image and scored
@@ -152,11 +153,9 @@ def sample_input(s: CaptionSample, context_mode: str = "location_aware") -> Capt
     precomputed face / object sets it ships, and its article shaped for ``context_mode``."""
     where = s.image_position if context_mode == "location_aware" else None
     none = context_mode == "none"
-    faces = s.extra.get("faces")
-    if faces is not None and len(faces) == 0:  # none shipped for this image: detect them
-        faces = None
+    # a recorded face set, even an empty one, is what the data set found; None (no record): detect
     return CaptionInput(s.image_id or s.id, s.image_path, "" if none else s.title, [] if none else list(s.paragraphs),
-                        where, faces=faces, objects=s.extra.get("objects"))
+                        where, faces=s.extra.get("faces"), objects=s.extra.get("objects"))
 
 
 def dataset_inputs(fmt: str, root: str, split: str | None = None, limit: int | None = None,

@@ -64,15 +64,6 @@ def article_sample(text: str):
     return CaptionSample(id="request", caption="", paragraphs=article_input(text).paragraphs)
 
 
-def crop_box(width: int, height: int, resize: int, crop: int) -> list[float]:
-    """The part of the original image that ImageNetTransform (resize short side, centre crop)
-    keeps, in original pixel coordinates [x0, y0, x1, y1]: the image grid covers this box."""
-    rw, rh = (resize, int(resize * height / width)) if width <= height else (int(resize * width / height), resize)
-    left, top = (rw - crop) / 2.0, (rh - crop) / 2.0
-    sx, sy = width / rw, height / rh
-    return [round(left * sx, 1), round(top * sy, 1), round((left + crop) * sx, 1), round((top + crop) * sy, 1)]
-
-
 def _bundle(encoders: EncodersConfig, model_config, data, device) -> EncoderBundle:
     """The bundle of a checkpoint: its encoders, and its ``data`` section's article context."""
     return EncoderBundle(encoders, tuple(model_config.contexts), max_article_tokens=data.max_article_tokens,
@@ -183,7 +174,7 @@ class CaptioningPipeline:
                 "tokens": pieces,
                 "score": finite_or_none(out["scores"][b]),
                 "image_size": [im.width, im.height],
-                "grid": {"rows": rows, "cols": cols, "box": crop_box(im.width, im.height, tf.resize, tf.crop)},
+                "grid": {"rows": rows, "cols": cols, "box": tf.kept_box(im.width, im.height)},
                 "faces": _face_boxes(enc),
                 "article_text": enc.get("article_text", ""),  # the context the model read (cut to the budget)
                 "article_tokens": [{"text": tok, "start": s, "end": e} for tok, (s, e)

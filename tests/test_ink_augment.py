@@ -253,6 +253,84 @@ def test_substitution_on_real_training_files(shared_data):
     assert render_strokes(out.strokes, BASE).tobytes() != render_strokes(e.strokes, BASE).tobytes()
 
 
+# --- sub-expressions -----------------------------------------------------------------------------
+FRACTION = {  # (x + 1) / 2: label, MathML id, strokes
+    "x": ("x_1", ["10 10, 20 18, 30 30", "30 10, 20 21, 10 30"]),
+    "+": ("+_1", ["40 20, 52 20", "46 14, 46 26"]),
+    "1": ("1_1", ["60 12, 64 8, 64 30"]),
+    "-": ("bar_1", ["5 40, 70 40"]),
+    "2": ("2_1", ["30 50, 38 46, 42 52, 30 66, 44 66"]),
+}
+FRACTION_MATHML = ('<math xmlns="http://www.w3.org/1998/Math/MathML"><mfrac xml:id="bar_1"><mrow>'
+                   '<mi xml:id="x_1">x</mi><mrow><mo xml:id="+_1">+</mo><mn xml:id="1_1">1</mn></mrow></mrow>'
+                   '<mn xml:id="2_1">2</mn></mfrac></math>')
+
+
+def fraction_file(truth=r"\frac{x+1}{2}", mathml=FRACTION_MATHML):
+    traces, groups = [], []
+    for label, (ref, strokes) in FRACTION.items():
+        views = ""
+        for st in strokes:
+            views += f'<traceView traceDataRef="{len(traces)}"/>'
+            traces.append(f'<trace id="{len(traces)}">{st}</trace>')
+        groups.append(f'<traceGroup><annotation type="truth">{label}</annotation>{views}'
+                      f'<annotationXML href="{ref}"/></traceGroup>')
+    return (f'<ink xmlns="{NS}"><annotation type="truth">${truth}$</annotation>'
+            f'<annotationXML type="truth" encoding="Content-MathML">{mathml}</annotationXML>'
+            f'{"".join(traces)}<traceGroup><annotation type="truth">Segmentation</annotation>'
+            f'{"".join(groups)}</traceGroup></ink>')
+
+
+def test_subexpressions_of_a_fraction_with_their_own_labels(tmp_path):
+    from tellkit.data.ink_augment import subexpressions
+
+    e = parse_inkml(fraction_file())
+    assert [s.ref for s in e.symbols] == ["x_1", "+_1", "1_1", "bar_1", "2_1"]
+    subs = subexpressions(e)  # the numerator; the denominator is a single symbol
+    assert [(s.tokens, s.symbols) for s in subs] == [(("x", "+", "1"), (0, 1, 2))]
+    assert subexpressions(e, min_symbols=1)[1].tokens == ("2",)
+    # the MathML disagrees with the truth (or is missing): the file is not used
+    assert subexpressions(parse_inkml(fraction_file(truth=r"\frac{2}{x+1}"))) == []
+    assert subexpressions(parse_inkml(fraction_file(mathml="<math/>"))) == []
+    aug = InkAugmenter(InkAugment(subexpr=1.0))
+    out = aug(e, np.random.default_rng(0))
+    assert out.tokens == ["x", "+", "1"] and len(out.strokes) == 5 and [s.label for s in out.symbols] == ["x", "+", "1"]
+    assert all(np.array_equal(a, b) for a, b in zip(out.strokes, e.strokes[:5]))
+    # a vocabulary without "+" leaves the item whole
+    assert InkAugmenter(InkAugment(subexpr=1.0), vocab={"x", "1"})(e, np.random.default_rng(0)).tokens is None
+    # through the dataset: the item's label is the part's, reproducibly
+    (tmp_path / "f.inkml").write_text(fraction_file())
+    d = data_section({"augment": {"subexpr": 0.5}})
+    ds = CrohmeDataset([Expression("f", tmp_path / "f.inkml", ["\\frac", "{", "x", "+", "1", "}", "{", "2", "}"])],
+                       render=InkRenderer(BASE), ink_augment=d.ink_augmenter())
+    seen = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        a = ds[0]
+        torch.manual_seed(seed)
+        assert torch.equal(ds[0]["image"], a["image"])
+        seen.add(" ".join(a["tokens"]))
+        assert a["labels"] == [ds.vocab.stoi[t] for t in a["tokens"]]
+    assert seen == {"\\frac { x + 1 } { 2 }", "x + 1"}
+
+
+@pytest.mark.data
+def test_real_subexpressions_are_parts_of_the_truth(shared_data):
+    from tellkit.data.ink_augment import subexpressions
+    from tellkit.data.latex import normalize
+
+    n = 0
+    for f in sorted((shared_data / "crohme_inkml" / "train" / "HAMEX").glob("*.inkml"))[:300]:
+        e = read_inkml(f)
+        full = normalize(e.truth)
+        for sub in subexpressions(e):
+            n += 1
+            k = len(sub.tokens)
+            assert any(tuple(full[i:i + k]) == sub.tokens for i in range(len(full) - k + 1)), (f, sub.tokens)
+            assert len(sub.symbols) >= 2 and len(set(sub.symbols)) == len(sub.symbols)
+    assert n >= 20
+
+
 # --- training -----------------------------------------------------------------------------------
 def test_training_step_with_the_augmentation_recipe_settings(ink_root, tmp_path):
     from tellkit.cli import main

@@ -416,7 +416,8 @@ class CrohmeDataset(torch.utils.data.Dataset):
             if not isinstance(getattr(render, "config", None), RenderConfig):
                 raise TellkitError("data.augment: the stroke-space keys need InkML data (data.layout: inkml)")
             self.inks = load_inks(e.image for e in self.exprs)
-            self.ink_augment = InkAugmenter(ink_augment, build_bank(self.inks) if ink_augment.substitute else None)
+            self.ink_augment = InkAugmenter(ink_augment, build_bank(self.inks) if ink_augment.substitute else None,
+                                            vocab=self.vocab.stoi if drop_unknown else None)
 
     def __len__(self) -> int:
         return len(self.exprs)
@@ -428,22 +429,24 @@ class CrohmeDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         e = self.exprs[i]
-        ids = [self.vocab.stoi.get(t, -1) for t in e.tokens]
-        img = self.image(i) if self.ink_augment is None else self.augmented_image(i)
+        img, tokens = (self.image(i), e.tokens) if self.ink_augment is None else self.augmented(i)
+        ids = [self.vocab.stoi.get(t, -1) for t in tokens]
         if self.augment is not None:
             img = self.augment(img)
-        return {"id": e.id, "image": img, "labels": ids, "tokens": e.tokens}
+        return {"id": e.id, "image": img, "labels": ids, "tokens": tokens}
 
-    def augmented_image(self, i: int, rng: np.random.Generator | None = None) -> torch.Tensor:
-        """Item ``i`` distorted in stroke space and rendered afresh. ``rng``: by default one per
-        call, seeded from torch's generator (so the training loop's seed reproduces an epoch,
-        and every epoch and data-loading worker draws differently) and the index."""
+    def augmented(self, i: int, rng: np.random.Generator | None = None) -> tuple[torch.Tensor, list[str]]:
+        """Item ``i`` distorted in stroke space and rendered afresh, and its label (a
+        sub-expression's when one was drawn). ``rng``: by default one per call, seeded from
+        torch's generator (so the training loop's seed reproduces an epoch, and every epoch and
+        data-loading worker draws differently) and the index."""
         from tellkit.data.inkml import image_to_tensor
 
         if rng is None:
             rng = np.random.default_rng([int(torch.randint(0, 2**62, (1,))), i])
         ink = self.ink_augment(self.inks[i], rng, source=i)
-        return image_to_tensor(ink.render(self.render.config))
+        tokens = self.exprs[i].tokens if ink.tokens is None else ink.tokens
+        return image_to_tensor(ink.render(self.render.config)), tokens
 
     def sizes(self) -> list[tuple[int, int]]:
         """(H, W) of every prepared image (computed once; reads each image)."""

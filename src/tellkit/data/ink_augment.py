@@ -22,6 +22,9 @@ Sizes are relative to the expression's own handwriting: ``S`` below is the media
   with the strokes of the same symbol from another training file (another writer where the
   files say who wrote them), fitted to the original symbol's box; the label is unchanged.
   Files without a segmentation keep their symbols.
+* ``subexpr`` (a probability per item): the item becomes one of its well-formed parts, the
+  numerator or denominator of a fraction or the argument of a root, with that part's own label
+  (:func:`subexpressions`; files without a reliable link between strokes and MathML stay whole).
 
 Randomness comes only from the ``numpy.random.Generator`` passed in, so a seed reproduces a
 sample exactly; :class:`tellkit.data.crohme.CrohmeDataset` derives one per sample from torch's
@@ -79,6 +82,7 @@ class InkAugment:
     elastic_wavelength: float = 4.0
     pen_width: tuple[float, float] = (0.0, 0.0)  # (0, 0): the renderer's pen
     substitute: float = 0.0
+    subexpr: float = 0.0
 
     def __post_init__(self):
         self.render_scale = _range("render_scale", self.render_scale, 0.0, 3.0)
@@ -91,12 +95,13 @@ class InkAugment:
         self.elastic_wavelength = _number("elastic_wavelength", self.elastic_wavelength, 0.5, 100)
         self.pen_width = _range("pen_width", self.pen_width, 0.0, 20.0, allow_zero=True)
         self.substitute = _number("substitute", self.substitute, 0, 1)
+        self.subexpr = _number("subexpr", self.subexpr, 0, 1)
 
     @property
     def active(self) -> bool:
         return bool(self.render_scale != (1.0, 1.0) or self.ink_rotate or self.ink_shear or self.stroke_shift
                     or self.stroke_scale or self.stroke_rotate or self.elastic or self.pen_width != (0.0, 0.0)
-                    or self.substitute)
+                    or self.substitute or self.subexpr)
 
 
 def parse_augment(mapping: Mapping[str, Any] | None, where: str = WHERE):
@@ -198,6 +203,108 @@ def fit_to_box(strokes: Sequence[np.ndarray], lo: np.ndarray, hi: np.ndarray, ta
     return [(a - c_d) * k + c_t for a in strokes]
 
 
+# --- sub-expressions ----------------------------------------------------------------------------
+_LEAVES = ("mi", "mn", "mo", "mtext")
+_DRAWN = (*_LEAVES, "mfrac", "msqrt", "mroot")  # elements that stand for a written symbol
+
+
+class _Unsupported(ValueError):
+    pass
+
+
+def mathml_latex(node: tuple) -> str:
+    """A MathML tree (:attr:`InkExpression.mathml`) -> LaTeX (for :func:`tellkit.data.latex.normalize`).
+    Raises ``ValueError`` for elements it does not know."""
+    tag, _, text, kids = node
+    if tag in _LEAVES:
+        if not text:
+            raise _Unsupported(tag)
+        return text
+    a = [mathml_latex(k) for k in kids]
+    n = len(a)
+    if tag in ("math", "mrow", "mstyle"):
+        return " ".join(a)
+    if tag == "msqrt":
+        return "\\sqrt{" + " ".join(a) + "}"
+    if n == 2 and tag == "mfrac":
+        return "\\frac{" + a[0] + "}{" + a[1] + "}"
+    if n == 2 and tag == "mroot":
+        return "\\sqrt[" + a[1] + "]{" + a[0] + "}"
+    if n == 2 and tag in ("msup", "mover"):
+        return "{" + a[0] + "}^{" + a[1] + "}"
+    if n == 2 and tag in ("msub", "munder"):
+        return "{" + a[0] + "}_{" + a[1] + "}"
+    if n == 3 and tag in ("msubsup", "munderover"):
+        return "{" + a[0] + "}_{" + a[1] + "}^{" + a[2] + "}"
+    raise _Unsupported(tag)
+
+
+@dataclass(frozen=True)
+class SubExpression:
+    tokens: tuple[str, ...]  # its normalised label
+    symbols: tuple[int, ...]  # indices into the expression's symbols
+
+
+def _drawn_ids(node: tuple, out: list) -> list:
+    tag, nid, _, kids = node
+    if tag in _DRAWN:
+        out.append(nid)
+    for k in kids:
+        _drawn_ids(k, out)
+    return out
+
+
+def subexpressions(expr: InkExpression, min_symbols: int = 2) -> list[SubExpression]:
+    """Well-formed parts of ``expr`` that make samples of their own: the numerator and the
+    denominator of every fraction and the argument of every root, with at least
+    ``min_symbols`` symbols, each with its strokes (through the segmentation's links into the
+    file's MathML) and its label (the MathML part written as LaTeX and normalised).
+
+    Only files whose MathML, written as LaTeX, normalises to exactly the file's truth label
+    and whose every segmented symbol and every written MathML element are linked one to one
+    qualify (most files; those whose MathML disagrees with the truth are left out)."""
+    from tellkit.data.latex import normalize
+
+    tree, symbols = expr.mathml, expr.symbols
+    if tree is None or not symbols or not expr.truth:
+        return []
+    try:
+        if normalize(mathml_latex(tree)) != normalize(expr.truth):
+            return []
+    except (_Unsupported, TellkitError):
+        return []
+    by_ref = {s.ref: j for j, s in enumerate(symbols)}
+    drawn = _drawn_ids(tree, [])
+    if None in by_ref or len(by_ref) != len(symbols) or sorted(map(str, drawn)) != sorted(by_ref):
+        return []
+    parts: list[tuple] = []
+
+    def walk(node: tuple) -> None:
+        tag, _, _, kids = node
+        if tag == "mfrac" and len(kids) == 2:
+            parts.extend(kids)
+        elif tag == "msqrt" and kids:
+            parts.append(("mrow", None, "", kids))
+        elif tag == "mroot" and len(kids) == 2:
+            parts.append(kids[0])
+        for k in kids:
+            walk(k)
+
+    walk(tree)
+    out: dict[tuple[str, ...], SubExpression] = {}
+    for part in parts:
+        ids = _drawn_ids(part, [])
+        if len(ids) < min_symbols:
+            continue
+        try:
+            toks = tuple(normalize(mathml_latex(part)))
+        except (_Unsupported, TellkitError):
+            continue
+        if toks and toks not in out:
+            out[toks] = SubExpression(toks, tuple(sorted(by_ref[i] for i in ids)))
+    return list(out.values())
+
+
 # --- the augmenter ------------------------------------------------------------------------------
 @dataclass
 class AugmentedInk:
@@ -206,6 +313,7 @@ class AugmentedInk:
     scale: float = 1.0  # times the renderer's stroke_size
     line_width: float | None = None  # the pen in pixels (None: the renderer's)
     substituted: list[int] = field(default_factory=list)  # indices into symbols
+    tokens: list[str] | None = None  # the label of a sub-expression (None: the expression's own)
 
     def render_config(self, base: RenderConfig) -> RenderConfig:
         if self.scale == 1.0 and self.line_width is None:
@@ -231,17 +339,38 @@ class InkAugmenter:
 
     ``bank``: the symbols that substitution draws from (needed only for ``substitute``)."""
 
-    def __init__(self, config: InkAugment, bank: SymbolBank | None = None):
+    def __init__(self, config: InkAugment, bank: SymbolBank | None = None, vocab: Iterable[str] | None = None):
         self.config = config
         self.bank = bank
+        self.vocab = set(vocab) if vocab is not None else None  # sub-expression labels must be in it
+        self._subs: dict[int, list[SubExpression]] = {}
         if config.substitute and bank is None:
             raise TellkitError(f"{WHERE}.substitute: needs a bank of symbols (InkML training data)")
+
+    def subexpressions(self, expr: InkExpression, source: int | None = None) -> list[SubExpression]:
+        """:func:`subexpressions` of ``expr`` whose labels are in the vocabulary (kept per source)."""
+        if source is not None and source in self._subs:
+            return self._subs[source]
+        subs = [x for x in subexpressions(expr) if self.vocab is None or all(t in self.vocab for t in x.tokens)]
+        if source is not None:
+            self._subs[source] = subs
+        return subs
 
     def __call__(self, expr: InkExpression, rng: np.random.Generator, source: int | None = None) -> AugmentedInk:
         c = self.config
         strokes = list(expr.strokes)
         symbols = list(expr.symbols)
         out = AugmentedInk(strokes, symbols)
+        if c.subexpr and rng.random() < c.subexpr:
+            subs = self.subexpressions(expr, source)
+            if subs:
+                sub = subs[int(rng.integers(len(subs)))]
+                keep = [i for j in sub.symbols for i in symbols[j].strokes]
+                new_index = {i: k for k, i in enumerate(keep)}
+                out = AugmentedInk([strokes[i] for i in keep],
+                                   [InkSymbol(symbols[j].label, tuple(new_index[i] for i in symbols[j].strokes),
+                                              symbols[j].ref) for j in sub.symbols], tokens=list(sub.tokens))
+                strokes = out.strokes
         S = stroke_scale(strokes)
         if c.substitute and symbols and self.bank is not None:
             self._substitute(out, rng, S, source, expr.writer)
@@ -318,7 +447,7 @@ class InkAugmenter:
                 out.substituted.append(j)
             else:
                 idx = tuple(placed[i][0] for i in sym.strokes)
-            symbols.append(InkSymbol(sym.label, idx))
+            symbols.append(InkSymbol(sym.label, idx, sym.ref))
         out.strokes, out.symbols = new_strokes, symbols
 
 

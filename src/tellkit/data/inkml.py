@@ -61,6 +61,7 @@ class InkSymbol:
 
     label: str
     strokes: tuple[int, ...]
+    ref: str | None = None  # the id of its node in the file's MathML (annotationXML href)
 
 
 @dataclass
@@ -73,6 +74,8 @@ class InkExpression:
     # the symbol segmentation (one trace group per symbol); empty when the file has none or
     # an unusable one (a stroke claimed by two symbols)
     symbols: list[InkSymbol] = field(default_factory=list)
+    # the file's MathML truth (annotationXML) as nested (tag, id, text, children) tuples, or None
+    mathml: tuple | None = None
 
 
 def _local(tag: str) -> str:
@@ -116,7 +119,7 @@ def parse_inkml(data: bytes | str, path: str | os.PathLike = "<inkml>", require_
     strokes: list[np.ndarray] = []
     trace_index: dict[str, int] = {}  # trace id -> index in strokes (traces with points only)
     groups = []
-    truth = writer = None
+    truth = writer = mathml = None
     for el in root.iter():
         tag = _local(el.tag) if isinstance(el.tag, str) else ""
         if tag == "trace":
@@ -128,6 +131,9 @@ def parse_inkml(data: bytes | str, path: str | os.PathLike = "<inkml>", require_
                 strokes.append(pts)
         elif tag == "traceGroup":
             groups.append(el)
+        elif tag == "annotationXML" and mathml is None and len(el) and \
+                (el.get("type") or "").strip().lower() == "truth":
+            mathml = _mathml_tree(el[0])
         elif tag == "annotation":
             kind = (el.get("type") or "").strip().lower()
             if kind == "truth" and truth is None and (el.text or "").strip():
@@ -140,7 +146,15 @@ def parse_inkml(data: bytes | str, path: str | os.PathLike = "<inkml>", require_
         raise InkMLError(path, "no truth")
     p = Path(path)
     return InkExpression(id=p.stem, path=p, strokes=strokes, truth=truth, writer=writer,
-                         symbols=_segmentation(groups, trace_index))
+                         symbols=_segmentation(groups, trace_index), mathml=mathml)
+
+
+def _mathml_tree(el, depth: int = 0) -> tuple | None:
+    """A MathML element -> ``(tag, xml:id, text, children)`` (text stripped, "" if none)."""
+    if depth > 200 or not isinstance(el.tag, str):
+        return None
+    kids = tuple(t for t in (_mathml_tree(c, depth + 1) for c in el) if t is not None)
+    return (_local(el.tag), el.get(_XML_ID) or el.get("id"), (el.text or "").strip(), kids)
 
 
 def _segmentation(groups, trace_index: dict[str, int]) -> list[InkSymbol]:
@@ -151,13 +165,15 @@ def _segmentation(groups, trace_index: dict[str, int]) -> list[InkSymbol]:
     symbols: list[InkSymbol] = []
     seen: set[int] = set()
     for g in groups:
-        label, refs = None, []
+        label, refs, href = None, [], None
         for ch in g:
             tag = _local(ch.tag) if isinstance(ch.tag, str) else ""
             if tag == "annotation" and (ch.get("type") or "").strip().lower() == "truth" and label is None:
                 label = " ".join((ch.text or "").split()) or None
             elif tag == "traceView" and ch.get("traceDataRef") is not None:
                 refs.append(ch.get("traceDataRef", "").strip().lstrip("#"))
+            elif tag == "annotationXML" and href is None and ch.get("href"):
+                href = ch.get("href", "").strip().lstrip("#") or None
         if not label or not refs:
             continue
         if any(r not in trace_index for r in refs):
@@ -166,7 +182,7 @@ def _segmentation(groups, trace_index: dict[str, int]) -> list[InkSymbol]:
         if seen.intersection(idx):
             return []
         seen.update(idx)
-        symbols.append(InkSymbol(label, idx))
+        symbols.append(InkSymbol(label, idx, href))
     return symbols
 
 

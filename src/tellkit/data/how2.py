@@ -13,7 +13,9 @@ A part is named ``"<folder>:<part>"`` (folder relative to the data root) or ``"<
 part directly under the root; the layout is detected from the files present. Lines of the text
 files are aligned; each feature file is float32 [T, 2048] (one vector per 16 frames from a
 Kinetics 3D ResNeXt-101). Features are truncated / padded to ``max_frames`` (256) with a mask,
-transcripts truncated to ``max_source_tokens`` (512) tokens.
+transcripts truncated to ``max_source_tokens`` (512) tokens, special tokens included
+(``source_special_tokens=False``: none, as the reference's data builder), summaries to
+``max_target_tokens`` tokens, special tokens included (the reference: 63 summary tokens + EOS).
 """
 from __future__ import annotations
 
@@ -182,6 +184,7 @@ class How2Dataset(Dataset):
         max_frames: int = 256,
         video_dim: int = 2048,
         source_prefix: str = "",
+        source_special_tokens: bool = True,
         use_video: bool = True,
     ):
         self.examples = list(examples)
@@ -191,6 +194,7 @@ class How2Dataset(Dataset):
         self.max_frames = max_frames
         self.video_dim = video_dim
         self.source_prefix = source_prefix
+        self.source_special_tokens = source_special_tokens
         self.use_video = use_video
 
     def __len__(self) -> int:
@@ -198,7 +202,10 @@ class How2Dataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         ex = self.examples[i]
-        src = self.tokenizer(self.source_prefix + ex.transcript, max_length=self.max_source_tokens, truncation=True)
+        # the reference's data builder encodes transcripts without special tokens (source_special_tokens=False)
+        plain = {} if self.source_special_tokens else {"add_special_tokens": False}
+        src = self.tokenizer(self.source_prefix + ex.transcript, max_length=self.max_source_tokens, truncation=True,
+                             **plain)
         tgt = self.tokenizer(ex.summary, max_length=self.max_target_tokens, truncation=True)
         video = None
         if self.use_video and ex.features is not None:

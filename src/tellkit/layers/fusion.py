@@ -16,11 +16,13 @@ then adds the residual and a LayerNorm: ``LayerNorm(Z_t + Dropout(Z_t'))``.
 The reference's other fusions (types 2, 3 and 5: attended video alone, a low-dimensional
 dot-product, multi-head without ``W3``) appear in none of the paper's tables and are not built.
 
-Differences from the reference code (HLTCHKUST/VG-GPLMs), each a deliberate fix:
-- the dot-product softmax runs over video frames as in the paper's equations (the reference
-  normalises over text positions: ``softmax_over="text"`` reproduces it);
-- padded frames are masked in every fusion (the reference has no video mask); a sample with no
-  real frame gets a zero context.
+Two switches choose between the reference code (HLTCHKUST/VG-GPLMs) and tellkit's fixes:
+- ``softmax_over``: ``"text"`` normalises the dot-product scores over text positions with no mask
+  at all, as the reference (``F.softmax(attn, dim=1)``); ``"frames"`` follows the paper's
+  equations (a convex mix of frames per text position);
+- ``mask_frames``: True masks padded frames in every fusion (a sample with no real frame gets a
+  zero context); False lets them take part, as the reference, which gives its fusion no video
+  mask (its multi-head attention gets no ``key_padding_mask``).
 :meth:`FusionBlock.boosted_parameters` are the parameters the reference trains with the larger
 learning rate (all fusion linears, the attention and the gate; not the LayerNorm).
 """
@@ -138,9 +140,11 @@ class FusionBlock(nn.Module):
         dropout: float = 0.1,
         forget_gate: bool = False,
         softmax_over: str = "frames",
+        mask_frames: bool = True,
         eps: float = 1e-5,
     ):
         super().__init__()
+        self.mask_frames = mask_frames
         if kind in ("dot_product", "dot_product_projected"):
             self.fusion = DotProductFusion(
                 d_text, d_video, kind == "dot_product_projected", forget_gate, dropout, softmax_over
@@ -157,4 +161,5 @@ class FusionBlock(nn.Module):
         return self.fusion.parameters()
 
     def forward(self, text: torch.Tensor, video: torch.Tensor, video_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.norm(text + self.dropout(self.fusion(text, video, video_mask)))
+        mask = video_mask if self.mask_frames else None  # None: padded frames take part (reference)
+        return self.norm(text + self.dropout(self.fusion(text, video, mask)))

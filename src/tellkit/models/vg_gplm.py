@@ -18,9 +18,24 @@ As the reference code (HLTCHKUST/VG-GPLMs) builds it:
   summarization task trains with ``lr x new_layer_lr_scale``; the VTF and the fusion LayerNorm
   train at the base rate.
 
+Switches that reproduce the reference (on in the paper recipes ``configs/vg/how2_*.yaml``; the
+labelled ``how2_bart_tellkit.yaml`` keeps tellkit's choices):
+- ``softmax_over: text`` + ``mask_frames: false``: the dot-product softmax over text positions
+  and no video mask in any fusion (tellkit: ``frames`` + ``true``, the paper's equations);
+- ``reference_init``: the fusion and VTF as the reference's construction leaves them. BART's
+  ``init_weights()`` draws every ``nn.Linear`` of the model (fusion linears, the attention's
+  output projection, the VTF's linears) from N(0, ``init_std`` = 0.02) with zero biases; T5's
+  touches no plain ``nn.Linear`` (PyTorch's defaults stay). In both, the VTF's four layers are
+  deep copies of one layer, so what no init redraws (the attention's ``in_proj``, the LayerNorms,
+  and for T5 everything) starts equal in all four;
+- ``group_params_by_value``: :meth:`VGGPLM.parameter_groups` builds the base-rate group as the
+  reference's ``configure_optimizers`` does, leaving out every parameter whose values equal
+  (``torch.equal``, same shape) a boosted parameter. After ``reference_init`` the boosted biases
+  are zero, so every other zero tensor of their shapes drops out of the optimiser and stays zero:
+  with BART, dot-product + forget gate + VTF, 21 tensors (the fusion LayerNorm's bias and, per VTF
+  layer, the attention output bias, both FFN biases and both LayerNorm biases), 41,728 numbers.
+
 Differences from the reference, kept because they fix it:
-- the dot-product softmax runs over video frames with padded frames masked (paper's equations;
-  the reference normalises over text positions and has no mask: ``softmax_over: text``);
 - ``fusion: none`` (or ``fusion_enabled = False``) is the text-only baseline and reproduces the
   plain backbone exactly;
 - decoding is HF ``generate`` with BART starting from ``<s>`` like its training labels;
@@ -87,6 +102,9 @@ class VGGPLMConfig:
     fusion_heads: int = 1
     forget_gate: bool = False
     softmax_over: str = "frames"  # dot-product attention normalised over frames (paper) or text (reference)
+    mask_frames: bool = True  # mask padded frames in the fusion (False: they take part, as the reference)
+    reference_init: bool = False  # fusion / VTF initialised as the reference's construction leaves them
+    group_params_by_value: bool = False  # the reference's optimiser grouping by value (see parameter_groups)
     t5_fusion_point: str = "final_norm"  # T5 encoder: after the final LayerNorm + dropout, or after a block
     video_dim: int = 2048
     max_frames: int = 256
@@ -236,7 +254,7 @@ class VGGPLM(nn.Module, PretrainedMixin):
                     blocks[str(i)] = FusionBlock(
                         config.fusion, d_model, config.video_dim, d_common=config.fusion_dim,
                         heads=config.fusion_heads, dropout=config.dropout, forget_gate=config.forget_gate,
-                        softmax_over=config.softmax_over,
+                        softmax_over=config.softmax_over, mask_frames=config.mask_frames,
                     )
                     last = i == len(layers) - 1
                     if where == "encoder" and self.is_t5 and last and config.t5_fusion_point == "final_norm":
@@ -246,6 +264,24 @@ class VGGPLM(nn.Module, PretrainedMixin):
                         layers[i].register_forward_hook(self._make_hook(blocks[str(i)]))
             if not len(self.encoder_fusion) and not len(self.decoder_fusion):
                 raise TellkitError("model.fusion is set but no fusion_layers / decoder_fusion_layers are given")
+            if config.reference_init:
+                self._reference_init(getattr(hf_cfg, "init_std", 0.02))
+
+    @torch.no_grad()
+    def _reference_init(self, std: float) -> None:
+        """The reference's starting point for the new layers (see the module docstring)."""
+        if self.visual_encoder is not None:  # deep copies of one layer
+            first = self.visual_encoder.layers[0].state_dict()
+            for layer in self.visual_encoder.layers[1:]:
+                layer.load_state_dict(first)
+        if self.is_t5:
+            return  # T5's init_weights leaves plain nn.Linear layers at PyTorch's defaults
+        for part in (self.visual_encoder, self.encoder_fusion, self.decoder_fusion):
+            for m in part.modules() if part is not None else ():
+                if isinstance(m, nn.Linear):  # includes nn.MultiheadAttention's out_proj
+                    m.weight.normal_(0.0, std)
+                    if m.bias is not None:
+                        m.bias.zero_()
 
     # -- structure ---------------------------------------------------------------------------
     def _layers(self, where: str) -> nn.ModuleList:
@@ -270,6 +306,25 @@ class VGGPLM(nn.Module, PretrainedMixin):
         for blocks in (self.encoder_fusion, self.decoder_fusion):
             for block in blocks.values():
                 yield from block.boosted_parameters()
+
+    def parameter_groups(self, lr: float) -> list[dict[str, Any]]:
+        """Optimiser groups: ``boosted_parameters()`` at ``lr x new_layer_lr_scale``, the rest at
+        ``lr``. With ``group_params_by_value`` the base group is built as the reference builds it:
+        a parameter is left out when a boosted parameter of the same shape has equal values, so
+        such parameters (zero biases and LayerNorm shifts, after ``reference_init``) are in no
+        group and keep their initial values."""
+        boosted = [p for p in self.boosted_parameters() if p.requires_grad]
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        if self.config.group_params_by_value:
+            base = [p for p in trainable
+                    if not any(p.shape == q.shape and torch.equal(p, q) for q in boosted)]
+        else:
+            ids = {id(p) for p in boosted}
+            base = [p for p in trainable if id(p) not in ids]
+        groups = [{"params": base, "lr": lr}]
+        if boosted:
+            groups.append({"params": boosted, "lr": lr * self.config.new_layer_lr_scale})
+        return groups
 
     def parameter_parts(self) -> dict[str, Any]:
         return {"backbone": self.backbone, "visual_encoder": self.visual_encoder,

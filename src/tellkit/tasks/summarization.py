@@ -40,8 +40,9 @@ class How2DataConfig:
     max_source_tokens: int = 512
     max_target_tokens: int = 128
     max_frames: int = 256
-    pad_frames: bool = True  # pad every video to max_frames (as the reference); else to the batch's longest
+    pad_frames: bool = True  # pad every video to max_frames; else to the batch's longest (as the reference)
     source_prefix: str = ""  # text put before every transcript (e.g. T5's "summarize: ")
+    source_special_tokens: bool = True  # the tokenizer's <s> / </s> around the transcript (reference: none)
     dedupe: bool = True  # skip a video id already read from an earlier part of the same split
 
 
@@ -126,6 +127,8 @@ class SummarizationTask(Task):
         return model
 
     def param_groups(self, model: nn.Module, lr: float) -> list[dict[str, Any]]:
+        if hasattr(model, "parameter_groups"):  # VG-GPLM: its own grouping (and the reference's)
+            return model.parameter_groups(lr)
         boosted_fn = getattr(model, "boosted_parameters", None) or model.new_parameters
         boosted = {id(p) for p in boosted_fn()}
         old = [p for p in model.parameters() if p.requires_grad and id(p) not in boosted]
@@ -158,6 +161,7 @@ class SummarizationTask(Task):
             max_frames=self.data.max_frames,
             video_dim=self.model_config.video_dim,
             source_prefix=self.data.source_prefix,
+            source_special_tokens=self.data.source_special_tokens,
             use_video=self.uses_video,
         )
 

@@ -59,7 +59,7 @@ def test_train_evaluate_recognize_cli(tmp_path, capsys):
     assert res["image"] == img and isinstance(res["latex"], str) and len(res["tokens"]) <= 6
 
     # the compact (float16) export used for the packaged default model gives the same answer
-    from tellkit.tasks.recognition import export_checkpoint
+    from tellkit.training.export import export_checkpoint
 
     export_checkpoint(run / "checkpoints" / "best", tmp_path / "small")
     meta = json.loads((tmp_path / "small" / "config.json").read_text())
@@ -97,8 +97,10 @@ def test_packaged_default_model(capsys):
     a placeholder), trained on the InkML renders, float16 safetensors under 25 MB, that reads the
     project's own sample correctly from its pen strokes and from a bitmap of another scale."""
     from tellkit.bench.bttr import SAMPLE_LATEX
-    from tellkit.pipelines.recognition import SAMPLE_INKML
-    from tellkit.tasks.recognition import DEFAULT_CHECKPOINT, Recognizer
+    from tellkit.pipelines.recognition import SAMPLE_INKML, Recognizer
+    from tellkit.recipes import PACKAGED_DEFAULTS
+
+    DEFAULT_CHECKPOINT = PACKAGED_DEFAULTS["math"]
 
     assert (DEFAULT_CHECKPOINT / "model.safetensors").stat().st_size <= 25 * 2**20
     meta = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text(encoding="utf-8"))

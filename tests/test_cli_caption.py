@@ -104,7 +104,9 @@ def test_json_with_faces_and_attention(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_default_model_captions_without_a_checkpoint(capsys):
-    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT
+    from tellkit.recipes import PACKAGED_DEFAULTS
+
+    DEFAULT_CHECKPOINT = PACKAGED_DEFAULTS["caption"]
 
     weights = DEFAULT_CHECKPOINT / "model.safetensors"
     assert weights.is_file() and weights.stat().st_size <= 25 * 2**20

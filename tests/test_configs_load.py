@@ -14,9 +14,9 @@ import torch
 
 from tellkit.config import check_recipe_sections, load_yaml
 from tellkit.errors import TellkitError
+from tellkit.recipes import train_config
 from tellkit.registry import build_config, create_model
 from tellkit.tasks import get_task
-from tellkit.training.config import train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))

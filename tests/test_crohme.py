@@ -90,8 +90,12 @@ def test_image_augment_keeps_size_and_moves_ink():
     from unittest import mock
 
     from tellkit.data.crohme import CrohmeDataset, Expression, ImageAugment
+    from tellkit.data.recognition import augmenter, check
     from tellkit.errors import TellkitError
-    from tellkit.tasks.recognition import data_section
+    from tellkit.recipes import RecognitionData, section
+
+    def data_section(d):  # the recognition task reads its data section so
+        return check(section({"data": d}, "data", RecognitionData))
 
     img = torch.zeros(1, 64, 200)
     img[0, 28:36, 20:180] = 1
@@ -114,9 +118,9 @@ def test_image_augment_keeps_size_and_moves_ink():
     assert a.shape == b.shape == img.shape and not torch.equal(a, b) and not torch.equal(a, img)
     # wired through the recipe: training items only, the recorded sizes are the undistorted ones
     d = data_section({"augment": {"rotate": 2, "shear": 0.1, "scale": [0.9, 1.0]}})
-    assert d.augmenter() == ImageAugment(rotate=2, shear=0.1, scale=(0.9, 1.0))
-    assert data_section({}).augmenter() is None
-    ds = CrohmeDataset([Expression("e", None, ["x"])], render=lambda e: img, augment=d.augmenter())
+    assert augmenter(d) == ImageAugment(rotate=2, shear=0.1, scale=(0.9, 1.0))
+    assert augmenter(data_section({})) is None
+    ds = CrohmeDataset([Expression("e", None, ["x"])], render=lambda e: img, augment=augmenter(d))
     assert ds.sizes() == [(64, 200)] and ds[0]["image"].shape == img.shape and not torch.equal(ds[0]["image"], img)
     with pytest.raises(TellkitError, match="unknown key"):
         data_section({"augment": {"rot": 2}})

@@ -17,8 +17,9 @@ FIX = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIX))
 import toy_task  # noqa: E402
 
-from tellkit.training import distributed, train  # noqa: E402
+from tellkit.training import distributed  # noqa: E402
 from tellkit.training.evaluation import run_eval  # noqa: E402
+from tellkit.workflows import train_recipe as train  # noqa: E402
 
 
 @pytest.mark.slow

@@ -321,16 +321,20 @@ def test_evaluate_on_bitmaps_prepares_them_as_recognize_does(tmp_path):
     """data.bitmap_fit=true: a bitmap test set is read the way `tellkit recognize` reads bitmaps
     for a model trained on InkML renders."""
     from tellkit.data.crohme import CrohmeDataset, Expression
+    from tellkit.data.recognition import bitmap_kwargs, check
     from tellkit.pipelines.recognition import SAMPLE_INKML, Recognizer
+    from tellkit.recipes import RecognitionData, section
     from tellkit.registry import create_model
-    from tellkit.tasks.recognition import data_section
+
+    def data_section(d):  # the recognition task reads its data section so
+        return check(section({"data": d}, "data", RecognitionData))
 
     render = {"stroke_size": 16, "line_width": 2.0}
     png = tmp_path / "big.png"
     render_strokes(read_inkml(SAMPLE_INKML).strokes, RenderConfig(stroke_size=40, line_width=1.5)).save(png)
     rec = Recognizer(create_model("bttr/tiny"), {"layout": "inkml", "render": render}, {})
     d = data_section({"layout": "tsv", "bitmap_fit": True, "render": render})
-    ds = CrohmeDataset([Expression("big", png, ["x"])], bitmap=d.bitmap_kwargs())
+    ds = CrohmeDataset([Expression("big", png, ["x"])], bitmap=bitmap_kwargs(d))
     assert torch.equal(ds.image(0), rec.prepare(png))
-    plain = CrohmeDataset([Expression("big", png, ["x"])], bitmap=data_section({"layout": "tsv"}).bitmap_kwargs())
+    plain = CrohmeDataset([Expression("big", png, ["x"])], bitmap=bitmap_kwargs(data_section({"layout": "tsv"})))
     assert plain.image(0).shape != ds.image(0).shape

@@ -15,8 +15,8 @@ from tellkit.config import load_yaml
 from tellkit.encoders.bundle import EncoderBundle
 from tellkit.encoders.preprocess import ImageNetTransform
 from tellkit.errors import TellkitError
-from tellkit.generation import GenerationConfig
 from tellkit.pipelines import captioning as P
+from tellkit.recipes import GenerationConfig
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tellkit"
 DEMO = SRC / "assets" / "demo_caption"

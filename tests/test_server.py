@@ -337,16 +337,16 @@ def test_cli_refusals_are_one_line(argv, msg, capsys):
 def test_cli_plan_checkpoints_defaults_and_untrained(tmp_path, monkeypatch):
     import argparse
 
+    from tellkit import recipes
     from tellkit.cli import cmd_serve
-    from tellkit.tasks import captioning, recognition
 
     def args(*argv):
         p = argparse.ArgumentParser()
         cmd_serve.add_arguments(p)
         return p.parse_args(list(argv))
 
-    monkeypatch.setattr(captioning, "DEFAULT_CHECKPOINT", tmp_path / "no_caption_default")
-    monkeypatch.setattr(recognition, "DEFAULT_CHECKPOINT", tmp_path / "math_default")
+    monkeypatch.setitem(recipes.PACKAGED_DEFAULTS, "caption", tmp_path / "no_caption_default")
+    monkeypatch.setitem(recipes.PACKAGED_DEFAULTS, "math", tmp_path / "math_default")
     (tmp_path / "math_default").mkdir()
     (tmp_path / "math_default" / "model.safetensors").write_bytes(b"")
     with pytest.raises(TellkitError, match="no caption checkpoint"):

@@ -78,7 +78,7 @@ def test_warmup_linear_schedule():
 
 def test_bert_adam_in_training_config_and_paper_recipe():
     from tellkit.config import load_yaml
-    from tellkit.training.config import TrainConfig, train_config
+    from tellkit.recipes import TrainConfig, train_config
     from tellkit.training.loop import build_optimizer
 
     cfg = TrainConfig(optimizer="bert_adam", max_grad_norm=0.1, clip_norm=0.0)

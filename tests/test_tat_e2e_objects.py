@@ -14,7 +14,7 @@ import tellkit.encoders.features as features_mod
 from tellkit.config import deep_merge, load_yaml
 from tellkit.encoders.bundle import EncoderBundle
 from tellkit.tasks.captioning import CaptioningTask
-from tellkit.training import train
+from tellkit.workflows import train_recipe as train
 
 FIX = Path(__file__).parent / "fixtures"
 ARCHIVE = FIX / "nytimes" / "nytimes_tiny.archive.gz"

@@ -15,13 +15,10 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import toy_task  # noqa: E402  (registers the "toy" task and "toy_lm" model)
 
 from tellkit.errors import TellkitError  # noqa: E402
-from tellkit.training import (  # noqa: E402
-    TrainConfig,
-    checkpointing,  # noqa: E402
-    train,
-)
-from tellkit.training.config import train_config  # noqa: E402
+from tellkit.recipes import train_config  # noqa: E402
+from tellkit.training import TrainConfig, checkpointing  # noqa: E402
 from tellkit.training.loop import LRSchedule, epoch_batches  # noqa: E402
+from tellkit.workflows import train_recipe as train  # noqa: E402
 
 
 def weights(run_dir: Path, which: str = "last") -> dict[str, torch.Tensor]:

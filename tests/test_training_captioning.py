@@ -14,7 +14,7 @@ from tellkit.config import deep_merge, load_yaml
 from tellkit.data.batch import collate_captions
 from tellkit.encoders.bundle import EncoderBundle
 from tellkit.tasks.captioning import CaptioningTask
-from tellkit.training import train
+from tellkit.workflows import train_recipe as train
 
 FIX = Path(__file__).parent / "fixtures"
 
@@ -192,9 +192,9 @@ TAT_RECIPES = Path(__file__).resolve().parents[1] / "configs" / "tat"
 def test_tat_recipes_are_valid(name):
     """Every Transform and Tell recipe: its train section is a valid TrainConfig, its task exists
     and its model builds (on the meta device: no memory)."""
+    from tellkit.recipes import train_config
     from tellkit.registry import create_model
     from tellkit.tasks import get_task
-    from tellkit.training.config import train_config
 
     r = load_yaml(f"tat/{name}")
     cfg = train_config(r)
@@ -224,7 +224,8 @@ def test_training_captions_keep_up_to_max_caption_tokens(tmp_path):
     """Captions are cut at data.max_caption_tokens (510 by default, as the reference's caption
     indexer), not at the model's generation length; the decoder (positions from 2) takes them."""
     from tellkit.data.sample import CaptionSample
-    from tellkit.tasks.captioning import CaptionDataConfig, CaptionDataset
+    from tellkit.recipes import CaptionDataConfig
+    from tellkit.tasks.captioning import CaptionDataset
 
     assert CaptionDataConfig().max_caption_tokens == 510
     r = recipe(tmp_path)

@@ -83,7 +83,7 @@ def test_negative_save_intervals_are_refused(cfg, tmp_path, capsys, flag):
     one_line_error(capsys, flag[0])
     assert not (tmp_path / "r").exists()
     from tellkit.errors import TellkitError
-    from tellkit.training import train
+    from tellkit.workflows import train_recipe as train
 
     with pytest.raises(TellkitError, match="save-every"):
         kw = {"save_every_steps": -1} if "steps" in flag[0] else {"save_every_minutes": -5.0}

@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import toy_task  # noqa: E402
 
 from tellkit.errors import TellkitError  # noqa: E402
-from tellkit.training import checkpointing, train  # noqa: E402
+from tellkit.training import checkpointing  # noqa: E402
+from tellkit.workflows import train_recipe as train  # noqa: E402
 
 # 24 samples / batch 4 = 6 steps; saves: #1 step 3, #2 step 6 (periodic), #3 step 6 again (after
 # validation, best) -- the re-save of a step that already has a folder

@@ -17,8 +17,8 @@ from tellkit.cli import main as cli_main
 from tellkit.config import load_yaml
 from tellkit.data.how2 import read_parts
 from tellkit.models.vg_gplm import save_tiny_backbone
+from tellkit.recipes import train_config
 from tellkit.tasks.summarization import SummarizationTask
-from tellkit.training.config import train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 VG = ROOT / "configs" / "vg"

@@ -19,6 +19,7 @@ from typing import Any
 
 from tellkit.config import from_dict, load_yaml, resolve_config_path
 from tellkit.errors import TellkitError
+from tellkit.recipes import model_section
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,16 @@ def list_models() -> list[str]:
     return sorted(_MODELS)
 
 
-def model_section(recipe: Mapping[str, Any]) -> dict[str, Any]:
-    """The model part of a recipe: ``recipe['model']`` or the recipe itself."""
-    sec = recipe.get("model", recipe)
-    if not isinstance(sec, Mapping) or "name" not in sec:
-        raise TellkitError("config has no model section with a 'name' (the model family)")
-    return dict(sec)
+def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The contexts a captioner reads: its recipe section's ``contexts``, else its family's
+    default (Show and Tell: image only; Transform and Tell: image, article, faces)."""
+    if "contexts" in model_cfg:
+        return tuple(model_cfg["contexts"])
+    if model_cfg.get("name"):
+        fld = {f.name: f for f in dataclasses.fields(get_entry(model_cfg["name"]).config_cls)}.get("contexts")
+        if fld is not None and fld.default is not dataclasses.MISSING:
+            return tuple(fld.default)
+    return ("image", "article", "faces")
 
 
 def build_config(name_or_config: Any, **overrides: Any) -> tuple[ModelEntry, Any]:

@@ -13,15 +13,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tellkit.data.crohme import render_strokes
 from tellkit.errors import TellkitError
-from tellkit.pipelines.recognition import ASSETS, SAMPLE_LATEX, SAMPLE_PATH  # noqa: F401 - re-exported
+from tellkit.pipelines.recognition import ASSETS, SAMPLE_LATEX, SAMPLE_PATH, Recognizer  # noqa: F401 - re-exported
+from tellkit.recipes import PACKAGED_DEFAULTS
 
 
 def _wobble(points, amp=0.6, seed=0.0):
     """A slight deterministic tremor, so the strokes look hand-drawn rather than ruled."""
     return [(x + amp * math.sin(1.7 * i + seed), y + amp * math.cos(1.3 * i + 2 * seed))
             for i, (x, y) in enumerate(points)]
-
 
 def _line(a, b, n=12, bow=0.0):
     (x0, y0), (x1, y1) = a, b
@@ -30,11 +31,9 @@ def _line(a, b, n=12, bow=0.0):
     return [(x0 + (x1 - x0) * t + bow * math.sin(math.pi * t) * nx / norm,
              y0 + (y1 - y0) * t + bow * math.sin(math.pi * t) * ny / norm) for t in (i / (n - 1) for i in range(n))]
 
-
 def _arc(cx, cy, r, a0, a1, n=16):
     return [(cx + r * math.cos(math.radians(a0 + (a1 - a0) * i / (n - 1))),
              cy + r * math.sin(math.radians(a0 + (a1 - a0) * i / (n - 1)))) for i in range(n)]
-
 
 def sample_strokes() -> list[list[tuple[float, float]]]:
     """Pen strokes of "x^2 + 1" (y grows downwards), made up here point by point."""
@@ -47,17 +46,14 @@ def sample_strokes() -> list[list[tuple[float, float]]]:
     ]
     return [_wobble(s, seed=k) for k, s in enumerate(strokes)]
 
-
 def draw_sample(path: str | Path | None = None):
     """Render :func:`sample_strokes` like the shared CROHME images; save it when ``path`` is given."""
-    from tellkit.data.crohme import render_strokes
 
     im = render_strokes(sample_strokes())
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         im.save(path, optimize=True)
     return im
-
 
 def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | None = None, n_images: int = 32,
                batch_size: int = 16, beam_size: int | None = None, max_len: int | None = None,
@@ -68,8 +64,6 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
     ``n_images`` of the CROHME 2014 test set under ``$TELLKIT_SHARED_DATA``, else the packaged
     sample repeated."""
     import torch
-
-    from tellkit.tasks.recognition import Recognizer
 
     if threads:
         torch.set_num_threads(threads)
@@ -113,15 +107,12 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
         "mean_output_tokens": sum(len(t) for t in fast) / max(n, 1),
     }
 
-
 def checkpoint_label(path) -> str:
     """The packaged default by name (results files hold no machine paths), else the path given."""
-    from tellkit.pipelines.recognition import DEFAULT_CHECKPOINT
-
-    if Path(path).resolve() == DEFAULT_CHECKPOINT.resolve():
-        return f"packaged default ({DEFAULT_CHECKPOINT.name})"
+    default = PACKAGED_DEFAULTS["math"]
+    if Path(path).resolve() == default.resolve():
+        return f"packaged default ({default.name})"
     return str(path)
-
 
 def _default_images(n: int) -> list[Path]:
     """The first ``n`` of ``$TELLKIT_SHARED_DATA/crohme/test/2014/*.png``; the packaged sample
@@ -135,7 +126,6 @@ def _default_images(n: int) -> list[Path]:
         raise TellkitError(f"bench bttr: no PNG images in {d} (TELLKIT_SHARED_DATA is set; unset it to time "
                            "the packaged sample)")
     return files[:n]
-
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """``tellkit bench bttr``: the joint search with the default recognition checkpoint."""

@@ -32,7 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tellkit.config import load_yaml
+from tellkit.data.crohme import collate, load_split, size_batches
+from tellkit.data.latex import Vocab
+from tellkit.data.recognition import make_renderer
 from tellkit.errors import TellkitError
+from tellkit.layers.dropout import FastDropout
+from tellkit.recipes import RecognitionData, section
+from tellkit.registry import create_model
 
 
 def _data_root() -> Path:
@@ -43,15 +50,11 @@ def _data_root() -> Path:
                            "holding crohme_inkml/ (make bench does)")
     return root
 
-
 def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
              fast_dropout: bool = False) -> dict[str, float]:
     """One warm-up step on the first batch (not timed), then one timed pass over ALL batches, so
     every variant trains on exactly the same images."""
     import torch
-
-    from tellkit.data.crohme import collate
-    from tellkit.layers.dropout import FastDropout
 
     model = model_fn()
     for m in model.modules():
@@ -84,14 +87,10 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
             "micro_steps": len(batches), "real_megapixels_per_s": real / dt / 1e6,
             "padding_waste": padded / max(real, 1) - 1.0, "seconds": dt}
 
-
 def _dropout_paired(model_fn, samples, batches, rounds: int = 2) -> dict[str, Any]:
     import statistics
 
     import torch
-
-    from tellkit.data.crohme import collate
-    from tellkit.layers.dropout import FastDropout
 
     model = model_fn()
     model.encoder.densenet.to(memory_format=torch.channels_last)
@@ -122,21 +121,14 @@ def _dropout_paired(model_fn, samples, batches, rounds: int = 2) -> dict[str, An
             "min_speedup": min(ratios), "max_speedup": max(ratios),
             "seconds_f_dropout": plain, "seconds_fast_dropout": fast}
 
-
 def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup: int = 1,
                 threads: int | None = None, seed: int = 0, paired_batches: int = 12) -> dict[str, Any]:
     import torch
 
-    from tellkit.config import load_yaml
-    from tellkit.data.crohme import load_split, size_batches
-    from tellkit.data.latex import Vocab
-    from tellkit.registry import create_model
-    from tellkit.tasks.recognition import data_section, make_renderer
-
     if threads:
         torch.set_num_threads(threads)
     r = load_yaml(recipe)
-    data = data_section({**r.get("data", {}), "cache": None})
+    data = section({"data": {**r.get("data", {}), "cache": None}}, "data", RecognitionData)
     root = _data_root()
     exprs = load_split(root, "train", "inkml")
     exprs = random.Random(seed).sample(exprs, min(n_expressions, len(exprs)))
@@ -179,7 +171,6 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
         "speedup_images_per_s": {k: v["images_per_s"] / base for k, v in results.items()},
         "dropout_paired": paired,
     }
-
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """``tellkit bench bttr_train``."""

@@ -12,6 +12,11 @@ from typing import Any
 import torch
 
 from tellkit.bench import timed
+from tellkit.encoders.faces import FaceEncoder
+from tellkit.encoders.image import build_image_encoder
+from tellkit.encoders.preprocess import ImageNetTransform, load_image
+from tellkit.encoders.text import ArticleEncoder
+from tellkit.encoders.tokenizer import CaptionTokenizer
 
 
 def _photo_path(name: str) -> str:
@@ -19,14 +24,8 @@ def _photo_path(name: str) -> str:
 
     return os.path.join(skimage.data.data_dir, name)
 
-
 def _cases(quick: bool, device: str) -> dict[str, Any]:
     """name -> zero-argument callable doing one image's (or one article's) work."""
-    from tellkit.encoders.faces import FaceEncoder
-    from tellkit.encoders.image import build_image_encoder
-    from tellkit.encoders.preprocess import ImageNetTransform, load_image
-    from tellkit.encoders.text import ArticleEncoder
-    from tellkit.encoders.tokenizer import CaptionTokenizer
 
     path = _photo_path("astronaut.png")
     portrait, no_face = load_image(path), load_image(_photo_path("coffee.png"))
@@ -70,7 +69,6 @@ def _cases(quick: bool, device: str) -> dict[str, Any]:
 
         cases["roberta_large_512_tokens_random_weights"] = roberta_large
     return cases
-
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     cases = _cases(quick, device)

@@ -26,6 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tellkit.bench import machine
+from tellkit.checkpoint import atomic_write_json
+from tellkit.recipes import packaged_default
+from tellkit.server.runner import free_port, post
+
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
@@ -39,21 +44,17 @@ def _inputs() -> tuple[list[tuple[str, bytes, str]], bytes]:
         raise RuntimeError(f"no demo images under {ASSETS / 'demo_caption'}")
     return photos, math
 
-
 def _default_models() -> list[str]:
     """Server arguments: each packaged default checkpoint that is installed, tiny untrained
     models (--untrained) for the others."""
-    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT as CAPTION
-    from tellkit.tasks.recognition import DEFAULT_CHECKPOINT as MATH
-
     args: list[str] = []
-    for name, path in (("caption", CAPTION), ("math", MATH)):
-        if (path / "model.safetensors").is_file():
+    for name in ("caption", "math"):
+        path = packaged_default(name)
+        if path is not None:
             args += ["--checkpoint", f"{name}={path}"]
     if len(args) < 4:
         args.append("--untrained")
     return args
-
 
 def _percentiles(xs: list[float]) -> dict[str, float]:
     if not xs:
@@ -66,7 +67,6 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
     return {"p50_ms": round(q(50) * 1000, 1), "p90_ms": round(q(90) * 1000, 1), "p99_ms": round(q(99) * 1000, 1),
             "max_ms": round(s[-1] * 1000, 1), "mean_ms": round(sum(s) / len(s) * 1000, 1)}
 
-
 def _proc_status(pid: int) -> dict[str, int]:
     out = {}
     with open(f"/proc/{pid}/status", encoding="utf-8") as f:
@@ -76,9 +76,7 @@ def _proc_status(pid: int) -> dict[str, int]:
                 out[k] = int(v.split()[0]) // 1024  # MiB
     return out
 
-
 def _start_server(model_args: list[str], max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
-    from tellkit.server.runner import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "tellkit", "serve", "--host", "127.0.0.1", "--port", str(port), "--api-only",
@@ -100,7 +98,6 @@ def _start_server(model_args: list[str], max_batch: int, threads: int) -> tuple[
     proc.kill()
     raise RuntimeError("the server did not answer /health within 180 s")
 
-
 def large_png(width: int = 4000, height: int = 4000) -> bytes:
     """A small file that decodes to a large bitmap: 16-bit grayscale, a sparse grid of dots."""
     import io
@@ -114,7 +111,6 @@ def large_png(width: int = 4000, height: int = 4000) -> bytes:
     Image.fromarray(a).save(buf, "PNG")
     return buf.getvalue()
 
-
 def reset_peak(pid: int) -> bool:
     """Reset the process's peak resident memory (VmHWM) to its current RSS (Linux >= 4.0)."""
     try:
@@ -124,12 +120,10 @@ def reset_peak(pid: int) -> bool:
     except OSError:
         return False
 
-
 def large_upload_peak(url: str, pid: int, n: int = 16, path: str = "/api/recognize", data: bytes | None = None,
                       timeout: float = 120.0) -> dict[str, Any]:
     """Send ``n`` large uploads at once; -> the server's resident memory before and its peak while
     answering (MiB), and the status codes."""
-    from tellkit.server.runner import post
 
     data = data if data is not None else large_png()
     if not reset_peak(pid):
@@ -143,7 +137,6 @@ def large_upload_peak(url: str, pid: int, n: int = 16, path: str = "/api/recogni
             "peak_rss_mib": after["VmHWM"], "peak_growth_mib": after["VmHWM"] - before["VmRSS"],
             "statuses": sorted(set(statuses)), "status_counts": {s: statuses.count(s) for s in sorted(set(statuses))}}
 
-
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -151,7 +144,6 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-
 
 # Bad requests mixed into the load: (endpoint, files, fields, the 4xx status expected).
 BAD_REQUESTS = [
@@ -168,7 +160,6 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
     with ``bad_every=k`` every k-th request is a bad one (wrong type, garbage, missing image,
     over-long article) that must get its expected 4xx. An error is any good request that did not
     get 200 or any bad one that did not get its 4xx."""
-    from tellkit.server.runner import post
 
     def one(i: int):
         t0 = time.perf_counter()
@@ -206,7 +197,6 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
     out["bad_requests"] = {"sent": len(bad), "answered_expected_4xx": sum(b is None for _, b in bad)}
     return out
 
-
 def run(quick: bool = False, device: str = "cpu", requests: int | None = None, concurrency: int = 8,
         model_args: list[str] | None = None, threads: int = 0) -> dict[str, Any]:
     n = requests or (16 if quick else 96)
@@ -243,12 +233,8 @@ def run(quick: bool = False, device: str = "cpu", requests: int | None = None, c
     result["total_errors"] = sum(r["errors"] for r in result["runs"].values())
     return result
 
-
 def main(argv: list[str] | None = None) -> int:
     import argparse
-
-    from tellkit.bench import machine
-    from tellkit.checkpoint import atomic_write_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=96)
@@ -275,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
               f"RSS {big['rss_before_mib']} -> peak {big['peak_rss_mib']} MiB, statuses {big['status_counts']}")
     print(f"wrote {out / 'serve_load.json'}")
     return 0 if res["total_errors"] == 0 else 1
-
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

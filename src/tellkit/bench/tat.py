@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+import tellkit
 from tellkit.bench import timed
 from tellkit.decoding.search import greedy_search
+from tellkit.models.transform_and_tell import _Incremental
 
 
 def fake_batch(cfg, batch_size: int, caption_len: int = 0, n_image: int = 49, n_article: int = 512,
@@ -39,7 +41,6 @@ def fake_batch(cfg, batch_size: int, caption_len: int = 0, n_image: int = 49, n_
         batch["caption"] = cap
     return {k: v.to(device) for k, v in batch.items()}
 
-
 class _Recompute:
     """Decoder without incremental state: every step re-encodes the contexts and re-runs the
     whole prefix (what generation costs when nothing is cached)."""
@@ -55,9 +56,7 @@ class _Recompute:
     def reorder(self, index):
         self.batch = {k: v.index_select(0, index) for k, v in self.batch.items()}
 
-
 def generation(model, batch_size: int, tokens: int, device: str, recompute: bool) -> dict[str, Any]:
-    from tellkit.models.transform_and_tell import _Incremental
 
     cfg = model.config
     batch = fake_batch(cfg, batch_size, device=device)
@@ -84,9 +83,7 @@ def generation(model, batch_size: int, tokens: int, device: str, recompute: bool
         out["decoding_tokens_per_s"] = round(n / max(secs - ctx_secs, 1e-9), 2)
     return out
 
-
 def training(config: str, batch_size: int, caption_len: int, steps: int, device: str) -> dict[str, Any]:
-    import tellkit
 
     torch.manual_seed(0)
     model = tellkit.create_model(config).to(device).train()
@@ -108,9 +105,7 @@ def training(config: str, batch_size: int, caption_len: int, steps: int, device:
             "caption_tokens": caption_len, "steps": steps, "seconds": round(secs, 3),
             "target_tokens_per_s": round(ntok / secs, 2), "samples_per_s": round(steps * batch_size / secs, 3)}
 
-
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
-    import tellkit
 
     paper = "tat/nytimes_faces"
     torch.manual_seed(0)

@@ -55,14 +55,15 @@ def read_article(path: str) -> str:
 
 def resolve_default(checkpoint: str | None):
     from tellkit.errors import TellkitError
-    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT
+    from tellkit.recipes import packaged_default
 
     if checkpoint:
         return checkpoint
-    if not (DEFAULT_CHECKPOINT / "model.safetensors").is_file():
+    default = packaged_default("caption")
+    if default is None:
         raise TellkitError("no default captioning model is installed; pass --checkpoint DIR "
                            "(train one: tellkit train configs/tat/flickr8k_small.yaml data.root=DIR)")
-    return str(DEFAULT_CHECKPOINT)
+    return str(default)
 
 
 def run(args) -> int:

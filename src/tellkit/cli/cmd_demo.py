@@ -21,20 +21,19 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     import json
-    from pathlib import Path
 
     from tellkit.encoders.preprocess import load_image
     from tellkit.pipelines.captioning import CaptioningPipeline
-    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT
+    from tellkit.recipes import ASSETS, packaged_default
 
-    samples = Path(__file__).resolve().parents[1] / "assets" / "demo_caption"
-    installed = (DEFAULT_CHECKPOINT / "model.safetensors").is_file()
-    checkpoint = args.checkpoint or (str(DEFAULT_CHECKPOINT) if installed else None)
+    samples = ASSETS / "demo_caption"
+    default = packaged_default("caption")
+    checkpoint = args.checkpoint or (str(default) if default else None)
     if checkpoint:
         captioner = CaptioningPipeline.load(checkpoint, device=args.device)
         print(f"tellkit demo: captioning with {checkpoint}")
         if not args.checkpoint:
-            print_model_title(DEFAULT_CHECKPOINT)
+            print_model_title(default)
     else:
         print("tellkit demo: NO TRAINED DEFAULT CAPTIONING MODEL IS INSTALLED. Running an UNTRAINED tiny "
               "Transform and Tell (random weights) over the real offline encoders to show the pipeline: "
@@ -65,11 +64,12 @@ def demo_math(args) -> None:
     """The packaged handwritten formula through the default BTTR model (`tellkit recognize`)."""
     import json
 
-    from tellkit.pipelines.recognition import DEFAULT_CHECKPOINT, SAMPLE_LATEX, SAMPLE_PATH, Recognizer
+    from tellkit.pipelines.recognition import SAMPLE_LATEX, SAMPLE_PATH, Recognizer
+    from tellkit.recipes import PACKAGED_DEFAULTS
 
     rec = Recognizer.load(None, device=args.device)
-    print(f"tellkit demo: handwritten math with {DEFAULT_CHECKPOINT}")
-    print_model_title(DEFAULT_CHECKPOINT)
+    print(f"tellkit demo: handwritten math with {PACKAGED_DEFAULTS['math']}")
+    print_model_title(PACKAGED_DEFAULTS["math"])
     res = rec.recognize([SAMPLE_PATH])[0]
     if args.json:
         print(json.dumps({"image": SAMPLE_PATH.name, "truth": SAMPLE_LATEX, **res}, ensure_ascii=False))

@@ -21,7 +21,7 @@ def run(args) -> int:
     import json
 
     from tellkit.errors import TellkitError
-    from tellkit.tasks.recognition import Recognizer
+    from tellkit.pipelines.recognition import Recognizer
 
     if args.beam_size is not None and args.beam_size < 1:
         raise TellkitError("--beam-size must be >= 1")

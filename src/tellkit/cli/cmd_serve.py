@@ -61,8 +61,7 @@ def plan(args) -> dict[str, str | None]:
     from pathlib import Path
 
     from tellkit.errors import TellkitError
-    from tellkit.tasks.captioning import DEFAULT_CHECKPOINT as DEFAULT_CAPTION_CHECKPOINT
-    from tellkit.tasks.recognition import DEFAULT_CHECKPOINT as DEFAULT_MATH_CHECKPOINT
+    from tellkit.recipes import PACKAGED_DEFAULTS, packaged_default
 
     wanted = [m for m in ("caption", "math") if m in {x.strip() for x in args.models.split(",")}]
     bad = {x.strip() for x in args.models.split(",") if x.strip()} - {"caption", "math"}
@@ -75,17 +74,17 @@ def plan(args) -> dict[str, str | None]:
     for name, path in ckpts.items():
         if not Path(path).is_dir():
             raise TellkitError(f"--checkpoint {name}={path}: not a directory")
-    defaults = {"caption": DEFAULT_CAPTION_CHECKPOINT, "math": DEFAULT_MATH_CHECKPOINT}
     out: dict[str, str | None] = {}
     for name in wanted:
         if name in ckpts:
             out[name] = ckpts[name]
         elif args.untrained:
             out[name] = None
-        elif (defaults[name] / "model.safetensors").is_file():
-            out[name] = str(defaults[name])
+        elif packaged_default(name) is not None:
+            out[name] = str(packaged_default(name))
         else:
-            raise TellkitError(f"no {name} checkpoint: the packaged default {defaults[name]} is not installed; "
+            raise TellkitError(f"no {name} checkpoint: the packaged default {PACKAGED_DEFAULTS[name]} is not "
+                               f"installed; "
                                f"pass --checkpoint {name}=DIR, leave {name} out of --models, or add --untrained")
     return out
 

@@ -59,7 +59,7 @@ _MEMO: dict[tuple, object] = {}
 
 def cacheable(recipe) -> bool:
     """Whether the captioning task's disk cache (data.features) can hold this row's contexts."""
-    from tellkit.tasks.captioning import model_contexts
+    from tellkit.registry import model_contexts  # heavy
 
     contexts = model_contexts(recipe.get("model") or {})
     return "article" not in contexts or (recipe.get("data") or {}).get("context") != "other_captions"
@@ -68,21 +68,15 @@ def cacheable(recipe) -> bool:
 def _task(recipe):
     """The recipe's task. A captioning task gets an encoder bundle that shares the built encoders
     and remembers image / article encodings across the rows of this run, in memory."""
-    from tellkit.tasks import get_task
+    from tellkit.encoders.bundle import EncoderBundle  # heavy
+    from tellkit.recipes import section  # heavy
+    from tellkit.registry import model_contexts  # heavy
+    from tellkit.tasks import make_task  # heavy
 
-    cls = get_task(recipe["task"])
-    if recipe["task"] != "captioning":
-        return cls(recipe)
-    from tellkit.encoders.bundle import EncoderBundle
-    from tellkit.tasks.captioning import data_config, encoders_config, model_contexts
-
-    data = data_config(recipe)
-    model = recipe.get("model") or {}
-    bundle = EncoderBundle(encoders_config(recipe), model_contexts(model), object_dim=model.get("object_dim", 2048),
-                           max_article_tokens=data.max_article_tokens, context_mode=data.context,
-                           context_policy=data.context_policy,
-                           shared_encoders=_MEMO, memo=_MEMO)
-    return cls(recipe, bundle=bundle)
+    if recipe.get("task") != "captioning":
+        return make_task(recipe)
+    contexts = model_contexts(section(recipe, "model"))
+    return make_task(recipe, bundle=EncoderBundle.for_recipe(recipe, contexts, shared_encoders=_MEMO, memo=_MEMO))
 
 
 def feature_key(recipe) -> str:
@@ -101,12 +95,11 @@ def run_row(path, args, log) -> dict:
     import time
     from pathlib import Path
 
-    from tellkit.checkpoint import load_model
-    from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path
-    from tellkit.errors import TellkitError
-    from tellkit.training import distributed
-    from tellkit.training.evaluation import run_eval, write_eval_outputs
-    from tellkit.training.loop import train
+    from tellkit.checkpoint import atomic_write_json  # heavy
+    from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path  # heavy
+    from tellkit.errors import TellkitError  # heavy
+    from tellkit.training.loop import train  # heavy
+    from tellkit.workflows import evaluate_checkpoint  # heavy
 
     cfg_path = resolve_config_path(path)
     recipe = load_yaml(cfg_path)
@@ -149,29 +142,20 @@ def run_row(path, args, log) -> dict:
     ckpt = summary["best_checkpoint"] or summary["last_checkpoint"]
     log(f"{label}: {summary['steps']} steps in {t_train:.0f}s; scoring {ckpt} on {args.split}")
     t0 = time.time()
-    info = distributed.setup(args.device)
     try:
-        model = load_model(ckpt, map_location=info.device)
-        dataset = task.build_dataset(args.split)
-        if dataset is None or len(dataset) == 0:
-            raise TellkitError(f"{label}: split '{args.split}' is empty")
-        ev = recipe.get("eval") or {}
-        bs = int(ev.get("batch_size") or (recipe.get("train") or {}).get("batch_size") or 16)
-        metrics, preds = run_eval(task, model, dataset, args.split, info, batch_size=bs, progress=args.progress)
-        write_eval_outputs(run_dir / "eval", args.split, metrics, preds,
-                           {"checkpoint": str(ckpt), "task": recipe["task"], **getattr(task, "eval_info", {})})
-    finally:
-        distributed.teardown(info)
+        result = evaluate_checkpoint(ckpt, args.split, out=run_dir / "eval", device=args.device,
+                                     progress=args.progress, recipe=recipe, task=task)
+    except TellkitError as exc:
+        raise TellkitError(f"{label}: {exc}") from exc
+    metrics, preds = result.metrics, result.predictions
     row = {
         "row": label, "config": str(path), "task": recipe["task"], "family": recipe["model"]["name"],
-        "params": model.num_parameters(trainable_only=True), "steps": summary["steps"],
+        "params": result.parameters, "steps": summary["steps"],
         "train_seconds": round(t_train, 1), "eval_seconds": round(time.time() - t0, 1), "split": args.split,
         "n": len(preds), "best_val": summary["best"], "monitor": summary["monitor"], "metrics": metrics,
         "example": {"prediction": preds[0].get("prediction"),
                     "reference": (preds[0].get("references") or [preds[0].get("reference")])[0]} if preds else None,
     }
-    from tellkit.checkpoint import atomic_write_json
-
     atomic_write_json(summary_file, row)
     return row
 

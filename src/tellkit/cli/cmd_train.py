@@ -57,12 +57,12 @@ def run(args) -> int:
     from pathlib import Path
 
     from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path
-    from tellkit.training.loop import train
+    from tellkit.workflows import train_recipe  # heavy
 
     path = resolve_config_path(args.config)
     recipe = deep_merge(load_yaml(path), parse_overrides(args.overrides))
     out = Path(args.out) if args.out else Path("runs") / path.stem
-    summary = train(
+    summary = train_recipe(
         recipe,
         out,
         resume=args.resume,

@@ -29,7 +29,9 @@ from typing import Any
 
 import torch
 
+from tellkit.checkpoint import atomic_write_bytes, load_model, save_model
 from tellkit.errors import TellkitError
+from tellkit.registry import create_model
 
 CONVERTERS = ("bttr", "transform_and_tell")
 
@@ -48,14 +50,11 @@ class _Inert(dict):
             if isinstance(part, dict):
                 self.update(part)
 
-
 def _rebuild_tensor(flat: torch.Tensor, offset: int, size, stride, *_: Any) -> torch.Tensor:
     return flat.as_strided(tuple(size), tuple(stride), int(offset))
 
-
 def _rebuild_parameter(data: torch.Tensor, *_: Any) -> torch.Tensor:
     return data
-
 
 _ALLOWED = {
     ("collections", "OrderedDict"): OrderedDict,
@@ -96,7 +95,6 @@ class _SafeUnpickler(pickle.Unpickler):
         flat = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         return flat[: int(numel)] if int(numel) <= flat.numel() else flat
 
-
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
     "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
@@ -122,7 +120,6 @@ def _load_zip_checkpoint(p: Path) -> Any:
             except Exception as exc:  # noqa: BLE001 - any failure means an unreadable file
                 raise TellkitError(f"{p}: not a readable PyTorch checkpoint ({exc})") from None
 
-
 def read_pickled_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a reference ``.ckpt`` / ``.th`` / ``.pt`` file without executing any of its code:
     ``torch.load(weights_only=True)`` first; a file that also holds other classes (a Lightning
@@ -139,7 +136,6 @@ def read_pickled_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise TellkitError(f"{p}: expected a dict of tensors, found {type(obj).__name__}")
     return obj
-
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The tensors of a reference checkpoint: a Lightning ``state_dict`` entry, a bare state
@@ -159,12 +155,10 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise TellkitError(f"{p}: holds no tensors")
     return tensors
 
-
 def converter(family: str):
     if family not in CONVERTERS:
         raise TellkitError(f"no converter for {family!r} (known: {', '.join(CONVERTERS)})")
     return importlib.import_module(f"tellkit.convert.{family}")
-
 
 def detect_family(state: dict[str, torch.Tensor]) -> str:
     found = []
@@ -180,15 +174,12 @@ def detect_family(state: dict[str, torch.Tensor]) -> str:
         raise TellkitError(f"cannot tell which model this checkpoint holds ({what}); pass --family")
     return found[0]
 
-
 def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: str | None = None,
                        **options: Any) -> Path:
     """Convert ``src`` into a tellkit checkpoint folder ``out`` (config.json + safetensors).
 
     The converted weights are loaded strictly into a freshly built tellkit model, so a missing,
     unexpected or mis-shaped tensor is an error, never a silently random layer."""
-    from tellkit.checkpoint import save_model
-    from tellkit.registry import create_model
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -205,18 +196,14 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: s
     save_model(model, out, extra={"converted_from": Path(src).name})
     return out
 
-
 def _is_buffer(model: torch.nn.Module, key: str) -> bool:
     return key in dict(model.named_buffers())
-
 
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the tellkit checkpoint folder ``src`` as the reference implementation's checkpoint
     file ``out`` (a PyTorch pickle of tensors and plain values, as the reference loads it)."""
     import io
     from dataclasses import asdict
-
-    from tellkit.checkpoint import atomic_write_bytes, load_model
 
     src, out = Path(src), Path(out)
     if out.exists():

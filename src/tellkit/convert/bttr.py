@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from tellkit.data.latex import Vocab
 from tellkit.errors import TellkitError
 
 FAMILY = "bttr"
@@ -59,7 +60,6 @@ def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if f"{pre}encoder.model.conv1.weight" in state:
             return {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
     return {}
-
 
 def matches(state: dict[str, torch.Tensor]) -> bool:
     s = _strip(state)
@@ -85,7 +85,6 @@ COMER_DIFFERENCE = ({"'"}, {"\\Pi"})  # (tellkit only, CoMER only): always accep
 def _count(s: dict, pattern: str) -> int:
     rx = re.compile(pattern)
     return len({m.group(1) for k in s for m in [rx.match(k)] if m})
-
 
 _BN = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 _ATTENTION = (("self_attn", "self_attn"), ("multihead_attn", "cross_attn"))  # reference, tellkit
@@ -134,7 +133,6 @@ def _name_pairs(config: dict, comer: bool = False) -> list[tuple[str, str]]:
                       ("decoder.model.arm.proj.weight", "decoder.arm.proj.weight")]
             bn("decoder.model.arm.post_norm.bn", "decoder.arm.norm")
     return pairs
-
 
 def convert(state: dict[str, torch.Tensor], nhead: int = 8, dictionary: str | None = None,
             allow_vocab_mismatch: bool = False, dropout: float = 0.3, encoder_dropout: float = 0.2,
@@ -249,7 +247,6 @@ def _remap_vocab(out: dict, config: dict, symbols: list[str], where_from: str, a
                 new[i] = -1e4  # a symbol the reference never learned: never predicted
         out[key] = new
     config["vocab_size"] = len(vocab)
-
 
 # --- the other way: a tellkit BTTR as a reference Lightning checkpoint ---------------------------
 # LitBTTR's constructor arguments that are not model sizes: the reference's defaults.

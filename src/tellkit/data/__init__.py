@@ -13,33 +13,31 @@ from __future__ import annotations
 
 import os
 
+from tellkit.data.coco import load_coco
+from tellkit.data.flickr8k import load_flickr8k
+from tellkit.data.goodnews import load_goodnews
+from tellkit.data.nytimes import load_nytimes_archive, load_nytimes_mongo
 from tellkit.errors import TellkitError
-
-CAPTION_FORMATS = ("goodnews", "nytimes800k", "coco", "flickr8k")
+from tellkit.recipes import CAPTION_FORMATS
 
 
 def load_captions(fmt: str, root: str | os.PathLike, split: str | None = None, **options):
     """Load a captioning data set: ``fmt`` in CAPTION_FORMATS; ``root`` a folder (GoodNews,
     Flickr8k), a mongodump archive or ``mongodb://`` URI (NYTimes800k), a JSON file (COCO)."""
     if fmt == "goodnews":
-        from tellkit.data.goodnews import load_goodnews
 
         return load_goodnews(root, split, **options)
     if fmt == "nytimes800k":
-        from tellkit.data.nytimes import load_nytimes_archive, load_nytimes_mongo
 
         if str(root).startswith(("mongodb://", "mongodb+srv://")):
             return load_nytimes_mongo(str(root), split, **options)
         return load_nytimes_archive(root, split, **options)
     if fmt == "coco":
-        from tellkit.data.coco import load_coco
 
         return load_coco(root, split, **options)
     if fmt == "flickr8k":
-        from tellkit.data.flickr8k import load_flickr8k
 
         return load_flickr8k(root, split, **options)
     raise TellkitError(f"unknown caption data format {fmt!r}; known: {', '.join(CAPTION_FORMATS)}")
-
 
 __all__ = ["CAPTION_FORMATS", "load_captions"]

@@ -27,6 +27,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+from tellkit.data.nytimes import attach_objects, read_archive_objects
 from tellkit.data.sample import CaptionSample
 from tellkit.errors import TellkitError
 
@@ -42,7 +43,6 @@ class _Text(HTMLParser):
     def handle_data(self, data: str) -> None:
         self.parts.append(data)
 
-
 def strip_html(text: str) -> str:
     """The text of an HTML fragment: tags dropped, entities decoded."""
     p = _Text()
@@ -50,11 +50,9 @@ def strip_html(text: str) -> str:
     p.close()
     return "".join(p.parts)
 
-
 def clean_caption(text: str) -> str:
     """The reference's caption cleaning: strip, HTML to text, ``[...]`` removed, strip."""
     return _BRACKETS.sub("", strip_html(text.strip())).strip()
-
 
 def _read_json(path: Path) -> Any:
     if not path.is_file():
@@ -64,7 +62,6 @@ def _read_json(path: Path) -> Any:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TellkitError(f"{path}: not valid JSON ({exc})") from exc
-
 
 def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_dir: str | None = None,
                   limit: int | None = None, clean_captions: bool = True,
@@ -102,7 +99,6 @@ def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_d
     if not out:
         raise TellkitError(f"{root}: no GoodNews captions for split {split!r}")
     if objects is not None:
-        from tellkit.data.nytimes import attach_objects, read_archive_objects
 
         attach_objects(out, read_archive_objects(objects, {x.image_id for x in out}, "goodnews"))
     return out

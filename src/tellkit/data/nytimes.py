@@ -31,9 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from tellkit.data.mongo_archive import iter_documents
 from tellkit.data.sample import CaptionSample
-from tellkit.encoders.bundle import FACE_DIM, MAX_FACES, OBJECT_DIM
+from tellkit.encoders.context import split_parsed_section
 from tellkit.errors import TellkitError
+from tellkit.recipes import FACE_DIM, MAX_FACES, OBJECT_DIM
+from tellkit.utils.optional import require
 
 SPLITS = {"train": "train", "valid": "val", "val": "val", "test": "test"}
 MAX_OBJECTS = 64  # the reference's YOLOv3 pass stores at most 64 boxes
@@ -51,12 +54,10 @@ def vectors(value: Any, dim: int, limit: int | None, what: str) -> np.ndarray:
         raise TellkitError(f"{what}: expected vectors of {dim} numbers, got shape {a.shape}")
     return np.ascontiguousarray(a[:limit] if limit is not None else a)
 
-
 def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike | None = None,
                          objects: dict[str, Any] | None = None, max_faces: int = MAX_FACES,
                          max_objects: int = MAX_OBJECTS) -> Iterator[CaptionSample]:
     """The article's samples; ``objects``: image hash -> object features (collection ``objects``)."""
-    from tellkit.encoders.context import split_parsed_section
 
     sections = article.get("parsed_section") or []
     headline = article.get("headline") or {}
@@ -93,7 +94,6 @@ def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike 
             extra=extra,
         )
 
-
 def _collect(articles: Iterable[dict[str, Any]], split: str | None, image_root, limit: int | None,
              objects: dict[str, Any] | None = None) -> list[CaptionSample]:
     out: list[CaptionSample] = []
@@ -104,7 +104,6 @@ def _collect(articles: Iterable[dict[str, Any]], split: str | None, image_root, 
         if limit is not None and len(out) >= limit:
             return out[:limit]
     return out
-
 
 def load_nytimes_archive(
     path: str | os.PathLike,
@@ -120,7 +119,6 @@ def load_nytimes_archive(
     it exists (the release's layout). With ``objects``, a second pass reads collection
     ``objects`` for the chosen images only (each document is 64 x 2048 numbers at most: only
     the needed ones are kept)."""
-    from tellkit.data.mongo_archive import iter_documents
 
     if image_root is None and (Path(path).parent / "images_processed").is_dir():
         image_root = Path(path).parent / "images_processed"
@@ -133,10 +131,8 @@ def load_nytimes_archive(
         attach_objects(samples, read_archive_objects(path, {s.image_id for s in samples}, db))
     return samples
 
-
 def read_archive_objects(path: str | os.PathLike, hashes: set[str] | None, db: str) -> dict[str, np.ndarray]:
     """Image hash -> float32 [O, 2048] from collection ``<db>.objects`` of a mongodump archive."""
-    from tellkit.data.mongo_archive import iter_documents
 
     out: dict[str, np.ndarray] = {}
     for _, doc in iter_documents(path, {f"{db}.objects"}, skip_fields=("confidences", "classes"), ids=hashes):
@@ -144,12 +140,10 @@ def read_archive_objects(path: str | os.PathLike, hashes: set[str] | None, db: s
         out[key] = vectors(doc.get("object_features"), OBJECT_DIM, MAX_OBJECTS, f"objects of image {key}")
     return out
 
-
 def attach_objects(samples: list[CaptionSample], objects: dict[str, np.ndarray]) -> None:
     for s in samples:
         if s.image_id in objects:
             s.extra["objects"] = objects[s.image_id]
-
 
 def load_nytimes_mongo(
     uri: str,
@@ -165,7 +159,6 @@ def load_nytimes_mongo(
     ``objects``: also read collection ``objects`` for the chosen images. ``client``: an already
     connected client (tests pass a stand-in)."""
     if client is None:
-        from tellkit.utils.optional import require
 
         pymongo = require("pymongo", "mongo", "reading NYTimes800k from MongoDB")
         client = pymongo.MongoClient(uri, serverSelectionTimeoutMS=10_000)

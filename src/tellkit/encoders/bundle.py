@@ -2,8 +2,8 @@
 batch items. The feature cache (``tellkit features``, ``data.features``), training, evaluation,
 ``tellkit caption``, ``tellkit demo`` and the server all encode through :class:`EncoderBundle`.
 
-    cfg = EncodersConfig.from_recipe(recipe.get("encoders"))    # the recipe's ``encoders:``
-    bundle = EncoderBundle(cfg, contexts=("image", "article", "faces"), max_article_tokens=512)
+    bundle = EncoderBundle.for_recipe(recipe, contexts=("image", "article", "faces"))
+    # or, from the pieces: EncoderBundle(EncodersConfig(...), contexts, max_article_tokens=512)
     items = bundle.encode([CaptionInput("id", image_path="photo.jpg", title="...", paragraphs=[...])])
     items[0]["image"]  float[N, C]     items[0]["faces"]  float[F, 512] (F <= cfg.max_faces)
     items[0]["article"] float[n_layers, L, D], items[0]["article_ids"] long[L]
@@ -24,54 +24,27 @@ from typing import Any
 
 import torch
 
-from tellkit.config import from_dict
-from tellkit.encoders.image import DEFAULT_IMAGE_ENCODER
+from tellkit.encoders.context import build_context
+from tellkit.encoders.faces import FaceEncoder
+from tellkit.encoders.image import build_image_encoder
+from tellkit.encoders.preprocess import load_image
+from tellkit.encoders.text import build_article_encoder
 from tellkit.errors import TellkitError
+from tellkit.recipes import (
+    CONTEXT_MODES,
+    CONTEXT_POLICIES,
+    DEFAULT_ARTICLE_ENCODER,
+    DEFAULT_FACE_ENCODER,
+    FACE_DIM,
+    MAX_FACES,
+    OBJECT_DIM,
+    CaptionDataConfig,
+    EncodersConfig,
+    section,
+)
 
-DEFAULT_ARTICLE_ENCODER = "all-MiniLM-L6-v2"  # packaged; the paper used roberta-large
-DEFAULT_FACE_ENCODER = "facenet_casia"  # packaged CASIA-WebFace FaceNet; the paper used VGGFace2
-MAX_FACES = 4  # Transform and Tell keeps the 4 largest faces
-FACE_DIM = 512
-OBJECT_DIM = 2048
-CONTEXT_MODES = ("location_aware", "first_tokens", "other_captions", "none")
-CONTEXT_POLICIES = ("reference", "cut")  # see tellkit.encoders.context
-IMAGE_FITS = ("crop", "squash")  # tellkit.encoders.preprocess.FITS
-
-
-@dataclass
-class EncodersConfig:
-    """A recipe's ``encoders:`` section (unknown keys are refused)."""
-
-    # mobilenet_v2 | efficientnet_lite0 | efficientnet_lite1 | efficientnet_lite2 | resnet50 | resnet101 | resnet152
-    image: str = DEFAULT_IMAGE_ENCODER
-    image_weights: str | None = None  # None: the encoder's offline default; a file; "random"
-    image_fit: str = "crop"  # crop: short side + centre crop; squash: whole photo to a square
-    article: str | None = DEFAULT_ARTICLE_ENCODER  # HF name/folder, or static / static:NAME / glove:PATH
-    faces: str | None = DEFAULT_FACE_ENCODER  # facenet_casia (packaged) or another FaceNet with face_weights
-    face_weights: str | None = None  # a facenet-pytorch-layout state dict (e.g. VGGFace2)
-    face_standardization: str | None = None  # None: the face encoder's default
-    objects: str | None = None  # the detector the precomputed object vectors came from (none ships)
-    caption_tokenizer: str | None = None  # None: the packaged RoBERTa BPE
-    max_faces: int = MAX_FACES
-
-    def __post_init__(self) -> None:
-        if self.image_fit not in IMAGE_FITS:
-            raise TellkitError(f"encoders.image_fit must be one of {', '.join(IMAGE_FITS)}, got {self.image_fit!r}")
-        if int(self.max_faces) < 0:
-            raise TellkitError(f"encoders.max_faces must be >= 0, got {self.max_faces}")
-
-    @classmethod
-    def from_recipe(cls, section: Mapping[str, Any] | EncodersConfig | None) -> EncodersConfig:
-        if isinstance(section, EncodersConfig):
-            return section
-        if section is not None and not isinstance(section, Mapping):
-            raise TellkitError(f"encoders: expected a mapping, got {type(section).__name__}")
-        return from_dict(cls, dict(section or {}), "encoders")
-
-    @property
-    def article_is_packaged(self) -> bool:
-        return self.article in (None, "minilm", DEFAULT_ARTICLE_ENCODER)
-
+__all__ = ["CONTEXT_MODES", "CONTEXT_POLICIES", "DEFAULT_ARTICLE_ENCODER", "DEFAULT_FACE_ENCODER", "FACE_DIM",
+           "MAX_FACES", "OBJECT_DIM", "CaptionInput", "EncoderBundle", "EncodersConfig"]
 
 @dataclass
 class CaptionInput:
@@ -88,7 +61,6 @@ class CaptionInput:
     faces: Any = None  # precomputed float32 [F, 512] (array-like), or None: detect
     objects: Any = None  # precomputed float32 [O, 2048] (array-like), or None: empty set
 
-
 def _as_set(values, dim: int, limit: int | None, what: str) -> torch.Tensor:
     x = torch.as_tensor(values, dtype=torch.float32)
     if x.numel() == 0:
@@ -96,7 +68,6 @@ def _as_set(values, dim: int, limit: int | None, what: str) -> torch.Tensor:
     if x.dim() != 2 or x.size(1) != dim:
         raise TellkitError(f"precomputed {what} must be [n, {dim}], got {tuple(x.shape)}")
     return x[:limit] if limit is not None else x
-
 
 class EncoderBundle:
     """The frozen encoders of an :class:`EncodersConfig` for the given contexts, built on first
@@ -129,6 +100,22 @@ class EncoderBundle:
         self.context_policy = context_policy  # tellkit.encoders.context: the reference's rules, or "cut"
         self.device = torch.device(device)
 
+    @classmethod
+    def for_recipe(cls, recipe: Mapping[str, Any], contexts: Sequence[str], *, context_mode: str | None = None,
+                   object_dim: int | None = None, **runtime: Any) -> EncoderBundle:
+        """The bundle a captioning recipe (or a checkpoint's stored sections) describes: its
+        ``encoders`` section, its ``data`` section's article context (``context``,
+        ``context_policy``, ``max_article_tokens``) and its model's ``object_dim``, for the
+        model's ``contexts``. ``context_mode`` / ``object_dim`` replace the recipe's;
+        ``runtime``: ``device``, ``shared_encoders``, ``memo``, ``face_max_side``."""
+        data = section(recipe, "data", CaptionDataConfig)
+        model = section(recipe, "model")
+        if object_dim is None:
+            object_dim = int(model.get("object_dim", OBJECT_DIM))
+        return cls(section(recipe, "encoders", EncodersConfig), contexts, max_article_tokens=data.max_article_tokens,
+                   context_mode=context_mode or data.context, context_policy=data.context_policy,
+                   object_dim=object_dim, **runtime)
+
     # -- the encoders (built on first use) ----------------------------------------------------
     def _shared(self, key: tuple, build):
         if self.shared_encoders is None:
@@ -140,7 +127,6 @@ class EncoderBundle:
 
     @functools.cached_property
     def image_encoder(self):
-        from tellkit.encoders.image import build_image_encoder
 
         c = self.config
         return self._shared(("image", c.image, c.image_weights, c.image_fit),
@@ -149,14 +135,12 @@ class EncoderBundle:
     @functools.cached_property
     def article_encoder(self):
         """A Hugging Face encoder, or a static word-vector table (``static``, ``glove:PATH``)."""
-        from tellkit.encoders.text import build_article_encoder
 
         spec = None if self.config.article_is_packaged else self.config.article
         return self._shared(("article", spec), lambda: build_article_encoder(spec).to(self.device))
 
     @functools.cached_property
     def face_encoder(self):
-        from tellkit.encoders.faces import FaceEncoder
 
         c = self.config
         if c.faces not in (DEFAULT_FACE_ENCODER, None) and c.face_weights is None:
@@ -192,7 +176,6 @@ class EncoderBundle:
         """The article text the captioner reads (see ``tellkit.encoders.context``)."""
         if not self.reads_articles or not (inp.title or inp.paragraphs):
             return ""
-        from tellkit.encoders.context import build_context
 
         enc = self.article_encoder
         budget = min(self.max_article_tokens, enc.max_tokens) - enc.num_special
@@ -282,7 +265,6 @@ class EncoderBundle:
             return inp.image
         if not inp.image_path:
             raise TellkitError(f"{inp.id}: no image")
-        from tellkit.encoders.preprocess import load_image
 
         return load_image(inp.image_path)
 

@@ -40,8 +40,7 @@ from tellkit.encoders.mobilenet import MobileNetV2
 from tellkit.encoders.preprocess import FITS, IMAGENET_MEAN, IMAGENET_STD, ImageNetTransform
 from tellkit.encoders.resnet import BLOCKS, ResNet
 from tellkit.errors import TellkitError
-
-DEFAULT_IMAGE_ENCODER = "mobilenet_v2"  # the one with pre-trained weights that ship offline
+from tellkit.recipes import DEFAULT_IMAGE_ENCODER
 
 
 @dataclass(frozen=True)

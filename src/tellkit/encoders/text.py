@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from tellkit.encoders import weights as W
+from tellkit.encoders.static_vectors import is_static_spec, load_article_vectors
 from tellkit.encoders.tokenizer import CaptionTokenizer
 from tellkit.errors import TellkitError
 
@@ -117,7 +118,6 @@ class ArticleEncoder(nn.Module):
     def extra_repr(self) -> str:
         return f"name={self.name!r}, num_layers={self.num_layers}, dim={self.dim}, max_tokens={self.max_tokens}"
 
-
 PACKAGED_NAMES = (None, "minilm", "all-MiniLM-L6-v2")
 
 
@@ -131,7 +131,6 @@ def build_article_encoder(spec: str | os.PathLike | None = None):
       (:mod:`tellkit.encoders.static_vectors`, the "+ GloVe" rows of the ablation);
     - anything else: a Hugging Face encoder by hub name or local folder.
     """
-    from tellkit.encoders.static_vectors import is_static_spec, load_article_vectors
 
     if is_static_spec(spec):
         return load_article_vectors(str(spec))

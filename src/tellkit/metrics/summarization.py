@@ -19,6 +19,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tellkit.errors import TellkitError
+from tellkit.metrics import content_f1 as cf1
+from tellkit.metrics.caption import score_captions
+from tellkit.metrics.rouge import rouge_reference, rouge_score_package
 
 GROUPS = ("rouge", "caption", "content_f1")
 
@@ -38,7 +41,6 @@ def _pairs(
         raise TellkitError(f"{len(predictions)} predictions but {len(references)} references")
     return [str(i) for i in range(len(predictions))], list(predictions), list(references)
 
-
 def score_summaries(
     predictions: Sequence[str] | Mapping[str, str],
     references: Sequence[str] | Mapping[str, str],
@@ -57,7 +59,6 @@ def score_summaries(
     out: dict[str, Any] = {"n": len(preds)}
     notes: dict[str, str] = {}
     if "rouge" in metrics:
-        from tellkit.metrics.rouge import rouge_reference, rouge_score_package
 
         out["rouge_reference"] = rouge_reference(preds, refs)
         out["rouge_score"] = rouge_score_package(preds, refs)
@@ -66,12 +67,6 @@ def score_summaries(
         )
         notes["rouge_score"] = "rouge-score package (lower-cased, punctuation dropped, no stemming), mean F-measure"
     if "caption" in metrics:
-        try:
-            from tellkit.metrics.caption import score_captions
-        except ImportError as exc:
-            raise TellkitError(
-                f"BLEU/METEOR/CIDEr need tellkit.metrics.caption, which could not be imported ({exc})"
-            ) from exc
         cap = score_captions(dict(zip(ids, preds)), {i: [r] for i, r in zip(ids, refs)})
         for k, v in cap.items():
             # coco-caption's ROUGE-L (beta 1.2) is a third ROUGE variant: keep it, labelled
@@ -81,7 +76,6 @@ def score_summaries(
             "tellkit.metrics.caption, x100, one reference each, punctuation removed"
         )
     if "content_f1" in metrics:
-        from tellkit.metrics import content_f1 as cf1
 
         if alignments is not None:
             if isinstance(predictions, Mapping):
@@ -109,7 +103,6 @@ def score_summaries(
         )
     out["implementations"] = notes
     return out
-
 
 def flatten_scores(scores: Mapping[str, Any]) -> dict[str, float]:
     """Numbers only, one level: ``rouge1/2/L`` = the reference implementation (what the paper

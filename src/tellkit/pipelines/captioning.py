@@ -8,7 +8,7 @@
 Any captioning checkpoint works (Transform and Tell, Show and Tell, Show-Attend-and-Tell, the LSTM
 captioner). The checkpoint's recipe sections name its encoders (``encoders:``), its article
 context (``data.context``, ``data.max_article_tokens``) and its generation settings (``eval:``,
-a :class:`~tellkit.generation.GenerationConfig`); inputs go through the same
+a :class:`~tellkit.recipes.CaptionGeneration`); inputs go through the same
 :class:`~tellkit.encoders.bundle.EncoderBundle` as in training. A result holds ``caption``,
 ``tokens`` (each generated piece with its attention over ``image`` grid cells, ``article`` tokens,
 ``faces`` and ``objects``), ``score``, ``image_size``, ``grid`` (rows, cols and the box of the
@@ -23,17 +23,21 @@ without faces, such as the packaged default, are not affected).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tellkit.encoders.bundle import DEFAULT_ARTICLE_ENCODER, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
+from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
+from tellkit.data.batch import collate_captions
+from tellkit.data.sample import CaptionSample
+from tellkit.encoders.bundle import CaptionInput, EncoderBundle
+from tellkit.encoders.tokenizer import CaptionTokenizer
 from tellkit.errors import TellkitError
-from tellkit.generation import GenerationConfig
 from tellkit.pipelines.base import checkpoint_info, finite_or_none
+from tellkit.recipes import DEFAULT_ARTICLE_ENCODER, CaptionEvalConfig, CaptionGeneration, section
+from tellkit.registry import create_model
 
 # the captioning families a checkpoint may hold (same batches and ``generate`` API)
 CAPTION_FAMILIES = ("transform_and_tell", "show_tell", "show_attend_tell", "lstm_captioner")
@@ -56,28 +60,25 @@ def article_input(text: str, image=None) -> CaptionInput:
         blocks = [b for b in text.splitlines() if b.strip()]
     return CaptionInput("request", paragraphs=blocks, image=image)
 
-
 def article_sample(text: str):
     """:func:`article_input` as a :class:`~tellkit.data.sample.CaptionSample` (id ``request``)."""
-    from tellkit.data.sample import CaptionSample
-
     return CaptionSample(id="request", caption="", paragraphs=article_input(text).paragraphs)
 
-
-def _bundle(encoders: EncodersConfig, model_config, data, device) -> EncoderBundle:
-    """The bundle of a checkpoint: its encoders, and its ``data`` section's article context."""
-    return EncoderBundle(encoders, tuple(model_config.contexts), max_article_tokens=data.max_article_tokens,
-                         context_mode=data.context, context_policy=data.context_policy, device=device,
-                         object_dim=getattr(model_config, "object_dim", OBJECT_DIM), shared_encoders=_SHARED,
-                         face_max_side=FACE_DETECT_MAX_SIDE)
-
+def _bundle(recipe, model_config, device) -> EncoderBundle:
+    """The bundle of a checkpoint: its encoders, and its ``data`` section's article context (none
+    for a model that reads no article)."""
+    contexts = tuple(model_config.contexts)
+    object_dim = getattr(model_config, "object_dim", None)
+    return EncoderBundle.for_recipe(recipe, contexts, context_mode=None if "article" in contexts else "none",
+                                    object_dim=object_dim, device=device, shared_encoders=_SHARED,
+                                    face_max_side=FACE_DETECT_MAX_SIDE)
 
 class CaptioningPipeline:
     """A captioning model, the encoder bundle it was trained with, its tokenizer and its
     generation settings; see the module docstring."""
 
     def __init__(self, model, bundle: EncoderBundle, tokenizer=None, info: dict[str, Any] | None = None,
-                 generation: GenerationConfig | None = None):
+                 generation: CaptionGeneration | None = None):
         self.model = model.eval()
         self.bundle = bundle
         self.contexts = tuple(model.config.contexts)
@@ -86,11 +87,9 @@ class CaptioningPipeline:
             raise TellkitError(f"the encoder bundle does not give the model's context(s) {', '.join(missing)}")
         bundle.check_model(model.config)
         if tokenizer is None:
-            from tellkit.encoders.tokenizer import CaptionTokenizer
-
             tokenizer = CaptionTokenizer.load(bundle.config.caption_tokenizer)
         self.tokenizer = tokenizer
-        self.generation = generation or GenerationConfig()
+        self.generation = generation or CaptionGeneration()
         self.info = {"name": getattr(model, "family", type(model).__name__), "contexts": list(self.contexts),
                      "image_encoder": getattr(self.bundle.image_encoder, "name", None),
                      "article_encoder": getattr(self.bundle.article_encoder, "name", None)
@@ -109,20 +108,15 @@ class CaptioningPipeline:
              beam_size: int | None = None, length_penalty: float | None = None) -> CaptioningPipeline:
         """A checkpoint (or run folder) written by ``tellkit train``; generation settings given
         here override the checkpoint's ``eval:`` ones (None keeps them)."""
-        from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
-        from tellkit.tasks.captioning import data_config, encoders_config, eval_config
-
         path = resolve_checkpoint(checkpoint, follow_links=False)
         meta = read_checkpoint_config(path)
         if meta.get("family") not in CAPTION_FAMILIES:
             raise TellkitError(f"{path}: holds a '{meta.get('family')}' model, not a captioner "
                                f"({', '.join(CAPTION_FAMILIES)})")
-        data, ev, encoders = data_config(meta), eval_config(meta), encoders_config(meta)
+        ev = section(meta, "eval", CaptionEvalConfig)
         model = load_model(path, map_location=device).float()
-        if "article" not in model.config.contexts:
-            data = dataclasses.replace(data, context="none")
         gen = ev.generation.updated(max_len=max_len, beam_size=beam_size, length_penalty=length_penalty)
-        return cls(model, _bundle(encoders, model.config, data, device),
+        return cls(model, _bundle(meta, model.config, device),
                    info=checkpoint_info(meta["family"], path, meta), generation=gen)
 
     @classmethod
@@ -131,16 +125,12 @@ class CaptioningPipeline:
         page and the API work end to end, but the captions are noise (``info.trained`` is false)."""
         import torch
 
-        from tellkit.registry import create_model
-
         contexts = ("image", "article", "faces")
         torch.manual_seed(seed)
         model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512,
                              contexts=list(contexts), max_len=12).eval().to(device)
-        from tellkit.tasks.captioning import CaptionDataConfig
-
-        encoders = EncodersConfig(article=DEFAULT_ARTICLE_ENCODER)
-        return cls(model, _bundle(encoders, model.config, CaptionDataConfig(), device),
+        recipe = {"encoders": {"article": DEFAULT_ARTICLE_ENCODER}}
+        return cls(model, _bundle(recipe, model.config, device),
                    info={"family": "transform_and_tell", "checkpoint": None, "trained": False,
                          "note": "tiny random model (tellkit serve --untrained): captions are noise"})
 
@@ -148,8 +138,6 @@ class CaptioningPipeline:
     def caption(self, items: Sequence[tuple[Any, str]]) -> list[dict[str, Any]]:
         """``[(PIL image, article text), ...]`` -> one result each (see the module docstring)."""
         import torch
-
-        from tellkit.data.batch import collate_captions
 
         inputs = [article_input(a if self.reads_articles else "", image=im) for im, a in items]
         encoded = self.bundle.encode(inputs, details=True)
@@ -189,12 +177,10 @@ class CaptioningPipeline:
 
     __call__ = caption
 
-
 def _face_boxes(enc: dict[str, Any]) -> list[dict[str, Any]]:
     if enc.get("face_boxes") is None:
         return []
     return [{"box": [round(float(v), 1) for v in box], "score": round(float(s), 4)}
             for box, s in zip(enc["face_boxes"].tolist(), enc["face_probs"].tolist())]
-
 
 ImageCaptioner = CaptioningPipeline  # the name the server and older code use

@@ -18,14 +18,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
+from tellkit.data.crohme import collate, load_image
+from tellkit.data.crohme import render_strokes as render_square
+from tellkit.data.inkml import read_inkml
+from tellkit.data.latex import Vocab
+from tellkit.data.recognition import bitmap_kwargs, make_renderer
 from tellkit.errors import TellkitError
+from tellkit.models.bttr import BTTR
 from tellkit.pipelines.base import checkpoint_info, finite_or_none
+from tellkit.recipes import ASSETS, PACKAGED_DEFAULTS, RecognitionData, RecognitionEval, known_keys, section
+from tellkit.registry import create_model
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SAMPLE_PATH = ASSETS / "samples" / "bttr_x2_plus_1.png"
 SAMPLE_INKML = ASSETS / "samples" / "bttr_x2_plus_1.inkml"
 SAMPLE_LATEX = "x ^ { 2 } + 1"
-DEFAULT_CHECKPOINT = ASSETS / "bttr_default"
 # a bitmap larger than this is refused before it is decoded (decompression bombs)
 MAX_INPUT_PIXELS = 40_000_000
 
@@ -33,17 +40,14 @@ MAX_INPUT_PIXELS = 40_000_000
 class Strokes(list):
     """Pen strokes to recognise: a list of strokes, each a list of (x, y) points (y down)."""
 
-
 class Recognizer:
     """A BTTR checkpoint plus the input preparation it was trained with and its search settings."""
 
     def __init__(self, model, data: dict | None = None, eval_: dict | None = None, checkpoint: Path | None = None):
-        from tellkit.data.latex import Vocab
-        from tellkit.tasks.recognition import data_section, eval_section, make_renderer
-
         self.model = model.eval()
-        self.data = data_section(_known(data, "data"), "checkpoint data")
-        ev = eval_section(_known(eval_, "eval"), "checkpoint eval")
+        stored = {"data": known_keys(data, RecognitionData), "eval": known_keys(eval_, RecognitionEval)}
+        self.data = section(stored, "data", RecognitionData, "checkpoint data")
+        ev = section(stored, "eval", RecognitionEval, "checkpoint eval")
         self.beam_size, self.max_len, self.alpha = int(ev.beam_size), int(ev.max_len), float(ev.alpha)
         self.checkpoint = checkpoint
         self.vocab = Vocab()
@@ -52,31 +56,24 @@ class Recognizer:
 
     @classmethod
     def load(cls, checkpoint: str | Path | None = None, device: str = "cpu") -> Recognizer:
-        from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
-        from tellkit.models.bttr import BTTR
-
-        if checkpoint is None and not DEFAULT_CHECKPOINT.is_dir():
-            raise TellkitError(f"no default BTTR checkpoint at {DEFAULT_CHECKPOINT}; pass --model CHECKPOINT")
-        path = resolve_checkpoint(checkpoint or DEFAULT_CHECKPOINT, follow_links=False)
+        default = PACKAGED_DEFAULTS["math"]
+        if checkpoint is None and not default.is_dir():
+            raise TellkitError(f"no default BTTR checkpoint at {default}; pass --model CHECKPOINT")
+        path = resolve_checkpoint(checkpoint or default, follow_links=False)
         meta = read_checkpoint_config(path)
         model = load_model(path, map_location=device, expect=BTTR).float()
         return cls(model, meta.get("data") or {}, meta.get("eval") or {}, path)
 
     def prepare(self, item):
         """A path (bitmap or ``.inkml``), a PIL image, or :class:`Strokes` -> float [1, H, W]."""
-        from tellkit.data.crohme import load_image
-
         d = self.data
-        kw = {**d.bitmap_kwargs(trained_on_renders=d.layout == "inkml"), "require_ink": True}
+        kw = {**bitmap_kwargs(d, trained_on_renders=d.layout == "inkml"), "require_ink": True}
         if isinstance(item, (str, Path)) and Path(item).suffix.lower() == ".inkml":
-            from tellkit.data.inkml import read_inkml
-
             item = Strokes(read_inkml(item).strokes)
         if isinstance(item, Strokes):
             if d.layout == "inkml":  # the renderer of the model's training data
                 return self.renderer.strokes_tensor(item)
             # a model trained on bitmaps: draw the strokes like those bitmaps (256 x 256 squares)
-            from tellkit.data.crohme import render_strokes as render_square
 
             return load_image(image=render_square([[tuple(p[:2]) for p in s] for s in item]), **kw)
         if isinstance(item, (str, Path)):
@@ -88,8 +85,6 @@ class Recognizer:
 
     def search(self, tensors, **kw):
         import torch
-
-        from tellkit.data.crohme import collate
 
         dev = next(self.model.parameters()).device
         b = collate([{"image": t, "labels": [], "id": str(i), "tokens": []} for i, t in enumerate(tensors)])
@@ -109,17 +104,6 @@ class Recognizer:
                 out.append({"latex": " ".join(words), "tokens": words, "score": score})
         return out
 
-
-def _known(section: dict | None, which: str) -> dict:
-    """Checkpoint sections from older versions may hold keys this version dropped: keep the
-    ones the current dataclass knows (the recipe itself is still checked strictly)."""
-    from tellkit.tasks.recognition import RecognitionData, RecognitionEval
-
-    cls = RecognitionData if which == "data" else RecognitionEval
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in (section or {}).items() if k in names}
-
-
 class BTTRMathRecognizer:
     """Images or strokes -> ``[{"latex", "tokens", "score"}, ...]`` through :class:`Recognizer`.
     ``info`` says which model it serves, from which checkpoint, and whether it was trained."""
@@ -131,8 +115,6 @@ class BTTRMathRecognizer:
 
     @classmethod
     def load(cls, checkpoint: str | Path | None = None, device: str = "cpu", **kw) -> BTTRMathRecognizer:
-        from tellkit.checkpoint import read_checkpoint_config
-
         rec = Recognizer.load(checkpoint, device=device)
         meta = read_checkpoint_config(rec.checkpoint) if rec.checkpoint else {}
         return cls(rec, checkpoint_info("bttr", rec.checkpoint, meta), **kw)
@@ -140,8 +122,6 @@ class BTTRMathRecognizer:
     @classmethod
     def untrained(cls, seed: int = 0, device: str = "cpu") -> BTTRMathRecognizer:
         import torch
-
-        from tellkit.registry import create_model
 
         torch.manual_seed(seed)
         model = create_model("bttr/tiny").eval().to(device)

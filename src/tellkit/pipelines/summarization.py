@@ -6,7 +6,7 @@ calls and a server can call.
 (its best checkpoint), the tokenizer saved beside it (else the backbone's), and the recipe stored
 with it: the ``data`` section says how inputs were prepared in training (``max_source_tokens``,
 ``max_frames``, ``source_prefix``), the ``eval`` section holds the decoding settings
-(:class:`tellkit.tasks.summarization.SummaryGenerationConfig`). The tensors are built by the
+(:class:`tellkit.recipes.SummaryGeneration`). The tensors are built by the
 same dataset collation as training and evaluation, so a summary here equals the one
 ``tellkit evaluate`` writes for the same example with one sample per batch.
 """
@@ -16,8 +16,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
+from tellkit.data.how2 import collate_how2, load_features
 from tellkit.errors import TellkitError
+from tellkit.models.vg_gplm import load_tokenizer
 from tellkit.pipelines.base import checkpoint_info
+from tellkit.recipes import How2DataConfig, SummaryGeneration, section
 
 FAMILIES = ("vg_gplm", "seq2seq")
 
@@ -31,8 +35,8 @@ class Summarizer:
 
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.data = data  # tellkit.tasks.summarization.How2DataConfig
-        self.generation = generation  # SummaryGenerationConfig
+        self.data = data  # tellkit.recipes.How2DataConfig
+        self.generation = generation  # tellkit.recipes.SummaryGeneration
         self.info = info
         self.device = torch.device(device)
 
@@ -41,11 +45,6 @@ class Summarizer:
         """``generation``: overrides of the stored decoding settings (``beam_size``, ``max_len``,
         ``min_len``, ``no_repeat_ngram_size``, ``length_penalty``; None keeps the stored value)."""
         import torch
-
-        from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
-        from tellkit.config import from_dict
-        from tellkit.models.vg_gplm import load_tokenizer
-        from tellkit.tasks.summarization import How2DataConfig, SummaryGenerationConfig
 
         ckpt = resolve_checkpoint(checkpoint)
         meta = read_checkpoint_config(ckpt)
@@ -57,8 +56,8 @@ class Summarizer:
             dev = torch.device(device)
         except RuntimeError as exc:
             raise TellkitError(f"device: {exc}") from exc
-        data = from_dict(How2DataConfig, dict(meta.get("data") or {}), "stored recipe: data")
-        gen = SummaryGenerationConfig.from_eval(meta.get("eval"), **generation)
+        data = section(meta, "data", How2DataConfig, "stored recipe: data")
+        gen = SummaryGeneration.from_section(meta.get("eval"), **generation)
         model = load_model(ckpt, map_location=dev)
         tok = load_tokenizer(model.config.backbone, ckpt)
         return cls(model, tok, data, gen, checkpoint_info(meta["family"], ckpt, meta), dev)
@@ -73,8 +72,6 @@ class Summarizer:
         when the model fuses video, ignored (``video_ignored``: true) when it is text-only."""
         import numpy as np
         import torch
-
-        from tellkit.data.how2 import collate_how2, load_features
 
         transcript = " ".join(str(transcript).split())
         if not transcript:

@@ -26,9 +26,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from tellkit import __version__
 from tellkit.errors import TellkitError
+from tellkit.pipelines.recognition import Strokes
 from tellkit.server.batching import BatchWorker, QueueFull
 from tellkit.server.limits import Limits, RequestError, check_article, decode_image
+from tellkit.utils.optional import require
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 VENDOR_FILES = ("vendor/katex/katex.min.js", "vendor/katex/katex.min.css")
@@ -43,10 +46,8 @@ def check_static() -> None:
             f"the demo page's files are missing under {STATIC_DIR}: {', '.join(missing)}. KaTeX is installed by "
             "`make setup` from the npm registry; run it, or start with --api-only")
 
-
 class _Refused(Exception):
     """Raised into the app when the request body is refused (the guard answers instead)."""
-
 
 class _FormScanner:
     """Streams a multipart/form-data body beside the app's own parser, keeping no data: every
@@ -125,7 +126,6 @@ class _FormScanner:
         self.error = RequestError(status, code, message)
         raise _Refused()
 
-
 class _Body:
     """The request body as the app reads it, with the guard's bounds: the idle and total body
     timeouts, the byte limit and the text-field checks. ``refusal`` is set when one is hit."""
@@ -199,7 +199,6 @@ class _Body:
             dropped += len(msg.get("body", b""))
             self.done = not msg.get("more_body", False)
 
-
 async def _send_error(send, err: RequestError):
     import json
 
@@ -209,10 +208,8 @@ async def _send_error(send, err: RequestError):
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
 
-
 def _too_large(limits: Limits) -> RequestError:
     return RequestError(413, "request_too_large", f"request body over the limit of {limits.max_upload_bytes:,} bytes")
-
 
 class _RequestGuard:
     """ASGI middleware in front of the app. Every request: a body over ``max_upload_bytes`` is
@@ -276,12 +273,10 @@ class _RequestGuard:
                 await body.discard()
             await _send_error(send, body.refusal)
 
-
 def create_app(captioner=None, recognizer=None, limits: Limits | None = None, max_batch: int = 8,
                max_wait_ms: float = 10.0, serve_page: bool = True):
     """Build the app around already-loaded backends (see :mod:`tellkit.server.backends`).
     ``captioner`` / ``recognizer`` may be None: their endpoint then answers 503 and /health says so."""
-    from tellkit.utils.optional import require
 
     fastapi = require("fastapi", "server", "tellkit serve")
     require("python_multipart", "server", "file uploads (python-multipart)")
@@ -482,7 +477,6 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     app.add_middleware(_RequestGuard, limits=limits, counters=counters)
     return app
 
-
 MAX_STROKES, MAX_POINTS = 2_000, 100_000
 
 
@@ -491,8 +485,6 @@ def parse_strokes(text: str):
     the same renderer as the model's InkML training data), or a 422 with what is wrong."""
     import json
     import math
-
-    from tellkit.pipelines.recognition import Strokes
 
     try:
         data = json.loads(text)
@@ -516,8 +508,6 @@ def parse_strokes(text: str):
         out.append(pts)
     return Strokes(out)
 
-
 def _version() -> str:
-    from tellkit import __version__
 
     return __version__

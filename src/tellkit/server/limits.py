@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tellkit.utils.images import ImageError
+from tellkit.utils.images import decode_image as safe_decode
+
 # Formats a person is likely to upload; anything else PIL might read (TIFF, EPS, ICO, ...) is refused.
 IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "BMP": "image/bmp",
                  "GIF": "image/gif"}
-
 
 @dataclass
 class Limits:
@@ -43,7 +45,6 @@ class Limits:
         if self.max_discard_bytes < 0:
             raise ValueError("max_discard_bytes must be >= 0")
 
-
 class RequestError(Exception):
     """A client error: ``status`` (4xx/5xx), ``code`` (stable, machine-readable), message."""
 
@@ -51,20 +52,16 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
 
-
 # tellkit.utils.images.ImageError reasons -> (status, code) of the API
 _IMAGE_ERRORS = {"empty": (400, "empty_file"), "not an image": (415, "not_an_image"),
                  "unsupported format": (415, "unsupported_image_format"), "too many pixels": (413, "image_too_large"),
                  "too small": (422, "image_too_small"), "corrupt or truncated": (400, "corrupt_image")}
-
 
 def decode_image(source, limits: Limits, declared_type: str | None = None, max_side: int | None = None):
     """Bytes (or a binary file) of an uploaded image -> (RGB PIL image no longer than ``max_side``,
     original ``[width, height]`` or None when not shrunk), or RequestError: 415 for a declared
     non-image type or an unsupported format, 400 for empty or unreadable bytes, 413 over the
     pixel cap, 422 for a degenerate (tiny) image."""
-    from tellkit.utils.images import ImageError
-    from tellkit.utils.images import decode_image as safe_decode
 
     if declared_type and not (declared_type.startswith("image/") or declared_type == "application/octet-stream"):
         raise RequestError(415, "unsupported_media_type", "expected an image upload (PNG, JPEG, WebP, BMP or GIF), "
@@ -81,7 +78,6 @@ def decode_image(source, limits: Limits, declared_type: str | None = None, max_s
             msg = "the uploaded image file is empty"
         raise RequestError(status, code, msg) from None
     return out.image, (list(out.original_size) if out.resized else None)
-
 
 def check_article(text: str | None, limits: Limits) -> str:
     """Normalise an optional article: None -> "", refuse over-long text (413) and NUL bytes."""

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Mapping
+from typing import Any
 
 from tellkit.errors import TellkitError
-from tellkit.tasks.base import Task
+from tellkit.training.task import Task
 
 _TASKS: dict[str, type[Task]] = {}
 
@@ -25,11 +27,8 @@ def register_task(name: str):
 
 
 def _discover() -> None:
-    import tellkit.tasks as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name != "base":
-            importlib.import_module(f"tellkit.tasks.{info.name}")
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"tellkit.tasks.{info.name}")
 
 
 def get_task(name: str) -> type[Task]:
@@ -38,3 +37,12 @@ def get_task(name: str) -> type[Task]:
     if name not in _TASKS:
         raise TellkitError(f"unknown task '{name}'; known: {', '.join(sorted(_TASKS)) or '(none)'}")
     return _TASKS[name]
+
+
+def make_task(recipe: Mapping[str, Any], **kwargs: Any) -> Task:
+    """The task a recipe names in its ``task:`` key, built from the recipe (``kwargs``: the
+    task's own options, e.g. a captioning task's shared encoder ``bundle``)."""
+    name = recipe.get("task")
+    if not isinstance(name, str):
+        raise TellkitError("the recipe has no 'task:' (which task trains this model)")
+    return get_task(name)(recipe, **kwargs)

@@ -4,12 +4,12 @@ Inference (``tellkit caption``, the server) lives in :mod:`tellkit.pipelines.cap
 
 Recipe sections read here, each a dataclass that refuses unknown keys (see ``configs/tat/*.yaml``):
 
-    encoders: EncodersConfig       (tellkit.encoders.bundle: image, article, faces, weights, ...)
+    encoders: EncodersConfig       (tellkit.recipes: image, article, faces, weights, ...)
     data:     CaptionDataConfig    {format: goodnews | nytimes800k | coco | flickr8k, root: PATH,
                context: location_aware | first_tokens | other_captions | none,
                context_policy: reference | cut, max_article_tokens: 512, max_caption_tokens: 510,
                features: DIR (cache; optional), limit, options, files}
-    eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (tellkit.generation),
+    eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (tellkit.recipes.CaptionGeneration),
                metrics: [bleu, meteor, rouge, cider], ner: true, ner_model: auto, monitor: loss, batch_size}
 
 Entity metrics name the spaCy pipeline that ran in ``task.eval_info`` (``tellkit evaluate`` writes
@@ -33,118 +33,32 @@ other captions and scored against its own caption only (the others are its input
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from tellkit.config import from_dict
-from tellkit.data import CAPTION_FORMATS
+from tellkit.checkpoint import atomic_write_bytes
+from tellkit.data import load_captions
 from tellkit.data.batch import CaptionBatch, CaptionItem, collate_captions
+from tellkit.data.bucketing import bucket_batches
 from tellkit.data.sample import CaptionSample
-from tellkit.encoders.bundle import (
-    CONTEXT_MODES,
-    CONTEXT_POLICIES,
-    OBJECT_DIM,
-    CaptionInput,
-    EncoderBundle,
-    EncodersConfig,
-)
+from tellkit.encoders.bundle import CaptionInput, EncoderBundle
+from tellkit.encoders.features import FeatureConfig, FeatureStore, extract_features
+from tellkit.encoders.tokenizer import CaptionTokenizer
 from tellkit.errors import TellkitError
-from tellkit.generation import GenerationConfig
+from tellkit.metrics.caption import METRICS, score_captions_detailed
+from tellkit.metrics.linguistic import linguistic_scores
+from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores, resolve_model, train_proper_nouns
+from tellkit.recipes import CaptionDataConfig, CaptionEvalConfig, EncodersConfig, section
+from tellkit.registry import model_contexts
 from tellkit.tasks import register_task
-from tellkit.tasks.base import Task
-
-# the default captioning model (`tellkit caption` / `tellkit demo` without --checkpoint)
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "default_caption"
-SPLITS = ("train", "val", "test")
-
-
-# --- typed recipe sections -----------------------------------------------------------------------
-@dataclass
-class CaptionDataConfig:
-    """A captioning recipe's ``data:`` section."""
-
-    format: str | None = None  # goodnews | nytimes800k | coco | flickr8k
-    root: str | None = None  # folder / archive / mongodb:// URI / JSON file; or --data
-    context: str = "location_aware"  # which article text the model reads (tellkit.encoders.context)
-    context_policy: str = "reference"  # reference (the paper's code) | cut (tellkit's earlier builder)
-    max_article_tokens: int = 512  # the article encoder's budget, special tokens included
-    # caption BPE tokens kept for training / the teacher-forced loss, between <s> and </s> (the
-    # reference's caption indexer keeps 510); the decoder's sinusoidal positions have no fixed size
-    max_caption_tokens: int = 510
-    features: str | None = None  # feature-cache folder (optional)
-    limit: dict[str, int] | None = None  # e.g. {val: 250, test: 500}: the first N samples of a split
-    options: dict[str, Any] = field(default_factory=dict)  # keyword options of the data loader
-    files: dict[str, str] | None = None  # COCO: one annotation file per split (instead of root)
-
-    def __post_init__(self) -> None:
-        if self.format is not None and self.format not in CAPTION_FORMATS:
-            raise TellkitError(f"data.format must be one of {', '.join(CAPTION_FORMATS)}, got {self.format!r}")
-        if self.context not in CONTEXT_MODES:
-            raise TellkitError(f"data.context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
-        if self.context_policy not in CONTEXT_POLICIES:
-            raise TellkitError(f"data.context_policy must be one of {', '.join(CONTEXT_POLICIES)}, "
-                               f"got {self.context_policy!r}")
-        if int(self.max_article_tokens) < 3:
-            raise TellkitError(f"data.max_article_tokens must be at least 3, got {self.max_article_tokens}")
-        if isinstance(self.max_caption_tokens, bool) or int(self.max_caption_tokens) < 1:
-            raise TellkitError(f"data.max_caption_tokens must be at least 1, got {self.max_caption_tokens}")
-        for name in ("limit", "files", "options"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, Mapping):
-                raise TellkitError(f"data.{name} must be a mapping, got {v!r}")
-        bad = sorted(set(self.limit or {}) - set(SPLITS))
-        if bad:
-            raise TellkitError(f"data.limit: unknown split(s) {', '.join(map(str, bad))}; known: {', '.join(SPLITS)}")
-        self.options = dict(self.options or {})
-
-
-@dataclass
-class CaptionEvalConfig(GenerationConfig):
-    """A captioning recipe's ``eval:`` section: the generation settings
-    (:class:`~tellkit.generation.GenerationConfig`) and how predictions are scored."""
-
-    metrics: list[str] | None = None  # None: every caption metric (bleu, meteor, rouge, cider)
-    ner: bool = True  # named-entity precision / recall (spaCy)
-    ner_model: str | None = None  # None: tellkit.metrics.ner.DEFAULT_MODEL
-    rare_proper_nouns: bool = True  # also score proper nouns unseen in training captions
-    # compare lower-cased text (the Flickr8k / COCO papers' convention); False: case kept, as the
-    # Transform and Tell reference scored news captions, where case marks names
-    lowercase: bool = False
-    monitor: str = "loss"  # the validation metric that selects the best checkpoint
-    batch_size: int | None = None  # None: train.batch_size
-
-    @property
-    def generation(self) -> GenerationConfig:
-        return GenerationConfig(**{f: getattr(self, f) for f in GenerationConfig.fields()})
-
-
-def _section(recipe: Mapping[str, Any], name: str) -> dict[str, Any]:
-    sec = recipe.get(name)
-    if sec is None:
-        return {}
-    if not isinstance(sec, Mapping):
-        raise TellkitError(f"{name}: expected a mapping, got {type(sec).__name__}")
-    return dict(sec)
-
-
-def data_config(recipe: Mapping[str, Any]) -> CaptionDataConfig:
-    return from_dict(CaptionDataConfig, _section(recipe, "data"), "data")
-
-
-def eval_config(recipe: Mapping[str, Any]) -> CaptionEvalConfig:
-    return from_dict(CaptionEvalConfig, _section(recipe, "eval"), "eval")
-
-
-def encoders_config(recipe: Mapping[str, Any]) -> EncodersConfig:
-    return EncodersConfig.from_recipe(_section(recipe, "encoders"))
+from tellkit.training.task import Task
 
 
 # --- samples -> encoder inputs ---------------------------------------------------------------------
@@ -164,8 +78,6 @@ def dataset_inputs(fmt: str, root: str, split: str | None = None, limit: int | N
     with its article context (title, paragraphs, image position) and precomputed sets.
     ``image_root``: the images' folder (NYTimes800k default: ``images_processed`` beside the archive);
     ``objects``: also read the object vectors the data set ships (NYTimes800k)."""
-    from tellkit.data import load_captions
-
     options: dict = {}
     if objects:
         if fmt != "nytimes800k":
@@ -193,9 +105,7 @@ def dataset_inputs(fmt: str, root: str, split: str | None = None, limit: int | N
 
 
 # --- cached features: `tellkit features` shards (tellkit.encoders.features), one per split ----
-def feature_config(task: CaptioningTask):
-    from tellkit.encoders.features import FeatureConfig
-
+def feature_config(task: CaptioningTask) -> FeatureConfig:
     return FeatureConfig(encoders=task.encoders, faces="faces" in task.contexts, article="article" in task.contexts,
                          objects="objects" in task.contexts, max_article_tokens=task.data.max_article_tokens,
                          context_policy=task.data.context_policy)
@@ -204,8 +114,6 @@ def feature_config(task: CaptioningTask):
 def cached_features(task: CaptioningTask, samples: list[CaptionSample], split: str, progress: bool = True):
     """The split's features under ``data.features/<split>``, extracted first when missing
     (resumable; a folder made with another configuration is refused)."""
-    from tellkit.encoders.features import FeatureStore, extract_features
-
     mode = task.data.context
     if mode == "other_captions" and "article" in task.contexts:
         raise TellkitError("data.features stores one article per image; 'other_captions' contexts differ per caption "
@@ -215,8 +123,6 @@ def cached_features(task: CaptioningTask, samples: list[CaptionSample], split: s
     items: dict[str, CaptionInput] = {}
     for s in samples:
         items.setdefault(s.image_id or s.id, sample_input(s, mode))
-    import torch.distributed as dist
-
     ddp = dist.is_available() and dist.is_initialized()
     if not ddp or dist.get_rank() == 0:  # reuses finished shards; refuses another configuration
         extract_features(list(items.values()), directory, feature_config(task), progress=progress)
@@ -276,20 +182,6 @@ class CaptionDataset(Dataset):
         return item  # type: ignore[return-value]
 
 
-def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:
-    """The contexts a captioner reads: the recipe's ``model.contexts``, else its family's default
-    (Show and Tell: image only; Transform and Tell: image, article, faces)."""
-    if "contexts" in model_cfg:
-        return tuple(model_cfg["contexts"])
-    if model_cfg.get("name"):
-        from tellkit.registry import get_entry
-
-        fld = {f.name: f for f in dataclasses.fields(get_entry(model_cfg["name"]).config_cls)}.get("contexts")
-        if fld is not None and fld.default is not dataclasses.MISSING:
-            return tuple(fld.default)
-    return ("image", "article", "faces")
-
-
 # --- the task ---------------------------------------------------------------------------------
 @register_task("captioning")
 class CaptioningTask(Task):
@@ -298,10 +190,10 @@ class CaptioningTask(Task):
 
     def __init__(self, recipe: Mapping[str, Any], bundle: EncoderBundle | None = None):
         super().__init__(recipe)
-        self.model_cfg = _section(self.recipe, "model")
-        self.data = data_config(self.recipe)
-        self.eval = eval_config(self.recipe)
-        self.encoders = encoders_config(self.recipe)
+        self.model_cfg = section(self.recipe, "model")
+        self.data = section(self.recipe, "data", CaptionDataConfig)
+        self.eval = section(self.recipe, "eval", CaptionEvalConfig)
+        self.encoders = section(self.recipe, "encoders", EncodersConfig)
         self.contexts = model_contexts(self.model_cfg)
         self.monitor = self.eval.monitor
         self.monitor_mode = "min" if self.monitor == "loss" else "max"
@@ -310,23 +202,17 @@ class CaptioningTask(Task):
         self.eval_info: dict[str, Any] = {}
 
     @functools.cached_property
-    def tokenizer(self):
-        from tellkit.encoders.tokenizer import CaptionTokenizer
-
+    def tokenizer(self) -> CaptionTokenizer:
         return CaptionTokenizer.load(self.encoders.caption_tokenizer)
 
     @property
     def bundle(self) -> EncoderBundle:
         if self._bundle is None:
-            self._bundle = EncoderBundle(self.encoders, self.contexts, max_article_tokens=self.data.max_article_tokens,
-                                         context_mode=self.data.context, context_policy=self.data.context_policy,
-                                         object_dim=int(self.model_cfg.get("object_dim", OBJECT_DIM)))
+            self._bundle = EncoderBundle.for_recipe(self.recipe, self.contexts)
         return self._bundle
 
     # -- data ------------------------------------------------------------------------------
     def load_samples(self, split: str) -> list[CaptionSample]:
-        from tellkit.data import load_captions
-
         d = self.data
         if d.format is None:
             raise TellkitError("the recipe's data section has no 'format' (goodnews, nytimes800k, coco or flickr8k)")
@@ -360,25 +246,21 @@ class CaptioningTask(Task):
         return collate_captions(samples, self.contexts, self.tokenizer.pad_id)
 
     def batch_sampler(self, dataset, split, *, shuffle, seed, epoch):
-        max_tokens = (self.recipe.get("train") or {}).get("max_tokens")
+        max_tokens = section(self.recipe, "train").get("max_tokens")
         if not max_tokens:
             return None
-        from tellkit.data.bucketing import bucket_batches
-
-        bs = int((self.recipe.get("train") or {}).get("batch_size", 16))
+        bs = int(section(self.recipe, "train").get("batch_size", 16))
         return bucket_batches(dataset.lengths(), bs, int(max_tokens), shuffle=shuffle, seed=seed, epoch=epoch)
 
     # -- evaluation ---------------------------------------------------------------------------
     def predict(self, model, batch):
-        out = model.generate(batch, **self.eval.generation.kwargs())
+        out = model.generate(batch, **self.eval.kwargs())
         return [{"id": i, "image_id": iid, "prediction": self.tokenizer.decode(toks).strip(), "references": refs}
                 for i, iid, toks, refs in zip(batch["ids"], batch["image_ids"], out["tokens"], batch["references"])]
 
     @functools.cached_property
     def ner_model(self) -> str:
         """The spaCy pipeline the entity metrics use (``eval.ner_model``; ``auto``: the best installed)."""
-        from tellkit.metrics.ner import DEFAULT_MODEL, resolve_model
-
         return resolve_model(self.eval.ner_model or DEFAULT_MODEL)
 
     @functools.cached_property
@@ -392,20 +274,13 @@ class CaptioningTask(Task):
         cache = Path(self.data.features) / f"train_caption_propn-{safe}.txt" if self.data.features else None
         if cache is not None and cache.is_file():
             return set(cache.read_text(encoding="utf-8").split("\n")) - {""}
-        from tellkit.metrics.ner import train_proper_nouns
-
         words = train_proper_nouns((s.caption for s in self.load_samples("train")), model=name)
         if cache is not None:
-            from tellkit.checkpoint import atomic_write_bytes
-
             cache.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(cache, "\n".join(sorted(words)).encode("utf-8"))
         return words
 
     def score(self, predictions):
-        from tellkit.metrics.caption import METRICS, score_captions_detailed
-        from tellkit.metrics.linguistic import linguistic_scores
-
         preds = {p["id"]: p["prediction"] for p in predictions}
         refs = {p["id"]: p["references"] for p in predictions}
         metrics, per = score_captions_detailed(preds, refs, self.eval.metrics or METRICS, lowercase=self.eval.lowercase)
@@ -413,8 +288,6 @@ class CaptioningTask(Task):
             p["scores"] = per[p["id"]]
         metrics.update(linguistic_scores(preds.values()))
         if self.eval.ner:
-            from tellkit.metrics.ner import entity_scores
-
             words = self.train_words if self.eval.rare_proper_nouns else None
             metrics.update(entity_scores(preds, {k: v[0] for k, v in refs.items()}, train_words=words,
                                          model=self.ner_model))

@@ -11,8 +11,8 @@ Recipe sections read here (``configs/vg/*.yaml``), typed: an unknown key is an e
 ``data.root`` has no default: it comes from the recipe, ``data.root=...`` on the command line or
 ``tellkit evaluate --data``. Parts are ``tellkit.data.how2`` names (``"mfn_sample:sum_train"``,
 ``"mcls_demo:val"``, or ``"sum_train"`` for the official layout directly under ``root``). The
-decoding fields of ``eval`` are :class:`SummaryGenerationConfig`, the one generation config of
-the family (also read by ``tellkit.pipelines.summarization``). Training starts from the
+decoding fields of ``eval`` are :class:`tellkit.recipes.SummaryGeneration`, the one generation config
+of the family (also read by ``tellkit.pipelines.summarization``). Training starts from the
 pre-trained backbone's weights; the model's ``boosted_parameters()`` (VG-GPLM: fusion linears,
 attention, forget gate) get ``lr x model.new_layer_lr_scale``. Validation generates and selects /
 early-stops on ROUGE-2 (the reference implementation).
@@ -20,78 +20,18 @@ early-stops on ROUGE-2 (the reference implementation).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 from torch import nn
 
-from tellkit.config import from_dict
+from tellkit.data.how2 import How2Dataset, collate_how2, read_parts
 from tellkit.errors import TellkitError
+from tellkit.metrics.summarization import flatten_scores, score_summaries
+from tellkit.models.vg_gplm import load_tokenizer
+from tellkit.recipes import How2DataConfig, SummaryEvalConfig, section
+from tellkit.registry import build_config
 from tellkit.tasks import register_task
-from tellkit.tasks.base import Task
-
-
-@dataclass
-class How2DataConfig:
-    root: str | None = None  # the How2 folder; no default (recipe, data.root=..., or --data)
-    train: tuple[str, ...] = ("sum_train",)
-    val: tuple[str, ...] = ("sum_cv",)
-    test: tuple[str, ...] = ("sum_devtest",)
-    max_source_tokens: int = 512
-    max_target_tokens: int = 128
-    max_frames: int = 256
-    pad_frames: bool = True  # pad every video to max_frames; else to the batch's longest (as the reference)
-    source_prefix: str = ""  # text put before every transcript (e.g. T5's "summarize: ")
-    source_special_tokens: bool = True  # the tokenizer's <s> / </s> around the transcript (reference: none)
-    dedupe: bool = True  # skip a video id already read from an earlier part of the same split
-
-
-@dataclass
-class SummaryGenerationConfig:
-    """Decoding settings of the summarization family (VG-BART, VG-T5, seq2seq), defined once:
-    the recipe's ``eval`` section, ``tellkit evaluate`` and ``tellkit summarize`` all read it."""
-
-    beam_size: int = 5
-    max_len: int = 64  # new tokens
-    min_len: int = 0
-    no_repeat_ngram_size: int = 3
-    length_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.beam_size < 1 or self.max_len < 1 or self.min_len < 0 or self.no_repeat_ngram_size < 0:
-            raise ValueError("beam_size and max_len must be >= 1, min_len and no_repeat_ngram_size >= 0")
-        if self.min_len > self.max_len:
-            raise ValueError(f"min_len {self.min_len} is larger than max_len {self.max_len}")
-
-    def kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the family's ``model.generate``."""
-        return {f.name: getattr(self, f.name) for f in fields(SummaryGenerationConfig)}
-
-    @classmethod
-    def from_eval(cls, section: Mapping[str, Any] | None, **overrides: Any) -> SummaryGenerationConfig:
-        """The decoding fields of a (stored) ``eval`` section, with non-None overrides on top."""
-        from tellkit.config import from_dict
-
-        keep = {f.name for f in fields(cls)}
-        d = {k: v for k, v in dict(section or {}).items() if k in keep}
-        d.update({k: v for k, v in overrides.items() if v is not None})
-        return from_dict(cls, d, "eval")
-
-
-@dataclass
-class SummaryEvalConfig(SummaryGenerationConfig):
-    batch_size: int | None = None
-    metrics: tuple[str, ...] = ("rouge", "caption", "content_f1")
-
-    def generation(self) -> SummaryGenerationConfig:
-        return SummaryGenerationConfig(**{f.name: getattr(self, f.name) for f in fields(SummaryGenerationConfig)})
-
-
-def _section(recipe: Mapping[str, Any], name: str) -> dict[str, Any]:
-    sec = recipe.get(name) or {}
-    if not isinstance(sec, Mapping):
-        raise TellkitError(f"the recipe's '{name}' section must be a mapping")
-    return dict(sec)
+from tellkit.training.task import Task
 
 
 @register_task("summarization")
@@ -101,18 +41,14 @@ class SummarizationTask(Task):
 
     def __init__(self, recipe: Mapping[str, Any]):
         super().__init__(recipe)
-        self.data = from_dict(How2DataConfig, _section(recipe, "data"), "data")
-        self.eval = from_dict(SummaryEvalConfig, _section(recipe, "eval"), "eval")
-        from tellkit.registry import build_config
-
+        self.data = section(recipe, "data", How2DataConfig)
+        self.eval = section(recipe, "eval", SummaryEvalConfig)
         self.model_config = build_config(recipe)[1]
         self._tokenizer = None
 
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from tellkit.models.vg_gplm import load_tokenizer
-
             self._tokenizer = load_tokenizer(self.model_config.backbone)
         return self._tokenizer
 
@@ -140,8 +76,6 @@ class SummarizationTask(Task):
 
     # --- data ----------------------------------------------------------------------------
     def build_dataset(self, split: str):
-        from tellkit.data.how2 import How2Dataset, read_parts
-
         parts = getattr(self.data, split, None)
         if parts is None:
             raise TellkitError(f"unknown split '{split}' (train, val or test)")
@@ -166,8 +100,6 @@ class SummarizationTask(Task):
         )
 
     def collate(self, samples: list[Any]) -> dict[str, Any]:
-        from tellkit.data.how2 import collate_how2
-
         return collate_how2(
             samples,
             self.tokenizer.pad_token_id,
@@ -180,7 +112,7 @@ class SummarizationTask(Task):
 
     # --- evaluation ----------------------------------------------------------------------
     def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        out = model.generate(batch, **self.eval.generation().kwargs())
+        out = model.generate(batch, **self.eval.kwargs())
         texts = [
             self.tokenizer.decode(t, skip_special_tokens=True, clean_up_tokenization_spaces=False).strip()
             for t in out["tokens"]
@@ -191,8 +123,6 @@ class SummarizationTask(Task):
         ]
 
     def score(self, predictions: list[dict[str, Any]]) -> dict[str, float]:
-        from tellkit.metrics.summarization import flatten_scores, score_summaries
-
         preds = {str(p["id"]): p["prediction"] for p in predictions}
         refs = {str(p["id"]): p["reference"] for p in predictions}
         return flatten_scores(score_summaries(preds, refs, self.eval.metrics))

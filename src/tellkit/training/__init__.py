@@ -1,11 +1,7 @@
 """The one training loop (``train``), its config (``TrainConfig``), checkpoints and evaluation."""
-from tellkit.training.config import TrainConfig, train_config
+from tellkit.recipes import TrainConfig, train_config
+from tellkit.training.loop import train
+from tellkit.training.task import Task
 
-__all__ = ["TrainConfig", "train_config", "train"]
+__all__ = ["Task", "TrainConfig", "train_config", "train"]
 
-
-def train(*args, **kwargs):
-    """See :func:`tellkit.training.loop.train`."""
-    from tellkit.training.loop import train as _train
-
-    return _train(*args, **kwargs)

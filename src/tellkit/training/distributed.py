@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tellkit.checkpoint import device_of
+
 
 @dataclass
 class DistInfo:
@@ -62,13 +64,11 @@ class DistInfo:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-
 def setup(device: str | None = None) -> DistInfo:
     """Read torchrun's variables, pick the device, start the process group when needed."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    from tellkit.checkpoint import device_of
 
     dev = device_of(device)  # one-line error for an unknown device or a missing GPU
     if dev.type == "cuda" and dev.index is None:
@@ -80,7 +80,6 @@ def setup(device: str | None = None) -> DistInfo:
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
         info.owns_group = True
     return info
-
 
 def teardown(info: DistInfo) -> None:
     if info.owns_group and dist.is_initialized():

@@ -20,22 +20,19 @@ from typing import Any
 
 import torch
 
+from tellkit.checkpoint import CONFIG_NAME, load_model
 from tellkit.errors import TellkitError
-from tellkit.training.config import TrainConfig
+from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
 
-RESERVED = ("format_version", "family", "config", "tellkit_version")
 # settings of the training machine, not of the model: (section, key) -> the exported value
 MACHINE_LOCAL = {("data", "root"): None, ("train", "init_from"): None,
                  ("train", "num_workers"): TrainConfig.num_workers}
 
-
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True,
                       note: dict[str, Any] | None = None) -> Path:
-    from tellkit.checkpoint import load_model
 
     model = load_model(checkpoint)
     return _write_inference(model, model.checkpoint_meta, out, half=half, note=note)
-
 
 def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, half: bool = True,
                         note: dict[str, Any] | None = None) -> Path:
@@ -44,7 +41,6 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, h
     tensors (BatchNorm running statistics included) are averaged in float32; integer buffers
     (BatchNorm batch counts) are the last checkpoint's. ``averaged_from`` in config.json lists
     the sources (run and state folder names)."""
-    from tellkit.checkpoint import load_model
 
     if len(checkpoints) < 2:
         raise TellkitError(f"averaging needs at least two checkpoints, got {len(checkpoints)}")
@@ -76,19 +72,17 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, h
     sources = [source_name(Path(c)) for c in checkpoints]
     return _write_inference(first, meta, out, half=half, note=note, averaged_from=sources)
 
-
 def source_name(path: Path) -> str:
     """``run/step_00000584`` for a state of a run, else ``parent/folder`` (no machine paths)."""
     path = path.resolve()
     parent = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return f"{parent.name}/{path.name}"
 
-
 def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool,
                      note: dict[str, Any] | None, averaged_from: list[str] | None = None) -> Path:
     if half:
         model = model.half()
-    extra = {k: v for k, v in meta.items() if k not in RESERVED}
+    extra = {k: v for k, v in meta.items() if k not in RESERVED_CHECKPOINT_KEYS}
     for (section, key), value in MACHINE_LOCAL.items():
         if isinstance(extra.get(section), dict) and key in extra[section]:
             extra[section] = {**extra[section], key: value}
@@ -100,14 +94,12 @@ def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool
         extra["note"] = note
     return model.save_pretrained(out, extra=extra)
 
-
 def write_checkpoint_folder(out: str | Path, write: Callable[[Path], Any], *, replace: bool = False,
                             sources: Sequence[Path] = ()) -> list[str]:
     """Run ``write(folder)`` into a staging folder beside ``out``, then swap it in. An existing
     non-empty ``out`` is refused unless ``replace`` (and it holds a checkpoint); its files that the
     new checkpoint does not write (a README) are carried over, and their names returned. An
     interruption or error at any point leaves the old folder whole."""
-    from tellkit.checkpoint import CONFIG_NAME
 
     out = Path(out)
     if out.exists() and not out.is_dir():

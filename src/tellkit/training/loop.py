@@ -1,6 +1,6 @@
 """The one training loop, for every model family (bound to its data and metrics by a Task).
 
-    train(recipe, run_dir)            # or: tellkit train CONFIG key=value ... --out RUN [--resume]
+    train(recipe, run_dir, make_task(recipe))   # or: tellkit train CONFIG key=value ... --out RUN [--resume]
 
 Read top to bottom: the building blocks (optimizer, schedule, batch plan, CSV log, stop
 signal), then ``train`` and its :class:`Trainer`, one method per concern: ``setup`` (run folder,
@@ -34,20 +34,20 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from itertools import islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import yaml
 
+from tellkit.checkpoint import load_weights_into
 from tellkit.config import check_recipe_sections, to_dict
 from tellkit.errors import TellkitError
+from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig, train_config
 from tellkit.training import distributed
+from tellkit.training.bert_adam import BertAdam
 from tellkit.training.checkpointing import CheckpointManager, SavedState, apply_state
-from tellkit.training.config import TrainConfig, train_config
 from tellkit.training.evaluation import autocast, make_loader, plain_batches, run_eval, to_device
-
-if TYPE_CHECKING:  # the loop only calls a Task's methods; it imports no task module
-    from tellkit.tasks.base import Task
+from tellkit.training.task import Task
 
 TRAIN_COLUMNS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"]
 EVAL_COLUMNS = ["step", "epoch", "split", "metric", "value"]
@@ -60,14 +60,12 @@ def build_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.opt
     if cfg.optimizer == "adamw":  # decoupled weight decay ("bert_adam"-style)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "bert_adam":  # the Transform and Tell reference's (training/bert_adam.py)
-        from tellkit.training.bert_adam import BertAdam
 
         return BertAdam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                         max_grad_norm=cfg.max_grad_norm)
     if cfg.optimizer == "adam":  # L2 penalty added to the gradient
         return torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.Adadelta(groups, lr=cfg.lr, rho=cfg.rho, eps=cfg.eps, weight_decay=cfg.weight_decay)
-
 
 class LRSchedule:
     """lr of each param group = its base lr x ``factor``; the state is three numbers (JSON)."""
@@ -124,7 +122,6 @@ class LRSchedule:
         self.plateau_best = d["plateau_best"]
         self.plateau_bad = d["plateau_bad"]
 
-
 def epoch_batches(task: Task, dataset, cfg: TrainConfig, epoch: int, world: int) -> list[list[int]]:
     """The global list of training batches of ``epoch``, a pure function of (seed, epoch).
 
@@ -153,7 +150,6 @@ def epoch_batches(task: Task, dataset, cfg: TrainConfig, epoch: int, world: int)
             p += 1
     return batches[: len(batches) - len(batches) % world]
 
-
 def batch_plan_digest(batches: list[list[int]]) -> str:
     """A short digest of an epoch's batches, saved with the state so a resume can tell whether it
     continues the same order."""
@@ -161,7 +157,6 @@ def batch_plan_digest(batches: list[list[int]]) -> str:
 
     flat = [[int(i) for i in b] for b in batches]
     return hashlib.sha1(json.dumps(flat, separators=(",", ":")).encode()).hexdigest()[:16]
-
 
 class _CsvLog:
     """Append-only CSV; on resume, rows after the resumed step are dropped (they are redone)."""
@@ -185,7 +180,6 @@ class _CsvLog:
         with open(self.path, "a", newline="", encoding="utf-8") as f:
             csv.DictWriter(f, self.columns).writerow(row)
 
-
 def _tensorboard(run_dir: Path, log):
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -193,7 +187,6 @@ def _tensorboard(run_dir: Path, log):
         log("TensorBoard is not installed (pip install 'tellkit[train]'): logging to CSV only")
         return None
     return SummaryWriter(str(run_dir / "tensorboard"))
-
 
 class _StopSignal:
     """First SIGTERM/SIGINT: finish the current step, save, stop. A second SIGINT interrupts."""
@@ -219,7 +212,6 @@ class _StopSignal:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
-
 def _seed_all(seed: int) -> None:
     import random
 
@@ -228,17 +220,6 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _task_for(recipe: Mapping[str, Any]) -> Task:
-    """The recipe's task, looked up by name in the task registry at run time (so that the
-    training package never imports ``tellkit.tasks``, which imports training helpers)."""
-    import importlib
-
-    if not isinstance(recipe.get("task"), str):
-        raise TellkitError("the recipe has no 'task:' (which task trains this model)")
-    return importlib.import_module("tellkit.tasks").get_task(recipe["task"])(recipe)
-
 
 # --- the loop ---------------------------------------------------------------------------------
 @dataclass
@@ -258,20 +239,20 @@ class TrainerState:
     window_loss: float = 0.0  # loss x tokens summed since the last log row (restored on resume,
     window_tokens: float = 0.0  # so the first row after a resume equals the unbroken run's)
 
-
 def train(
     recipe: Mapping[str, Any],
     run_dir: str | os.PathLike,
+    task: Task,
     *,
     resume: bool = False,
-    task: Task | None = None,
     device: str | None = None,
     save_every_steps: int | None = None,
     save_every_minutes: float | None = 30.0,
     keep_checkpoints: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train ``recipe`` into ``run_dir``; returns a summary (steps, best metric, checkpoints)."""
+    """Train ``recipe`` into ``run_dir`` with ``task`` (built from the recipe, see
+    :func:`tellkit.tasks.make_task`); returns a summary (steps, best metric, checkpoints)."""
     if save_every_steps is not None and (isinstance(save_every_steps, bool) or int(save_every_steps) < 1):
         raise TellkitError(f"--save-every-steps must be a positive number of steps, got {save_every_steps}")
     if save_every_minutes is not None and not float(save_every_minutes) > 0:
@@ -292,7 +273,6 @@ def train(
     finally:
         distributed.teardown(dist)
 
-
 class Trainer:
     """One run: ``setup`` (run folder, task, model, data, optimizer, schedule, resumed state,
     logs), then ``fit``: epochs of ``step`` (one optimizer step over ``accumulate``
@@ -300,7 +280,7 @@ class Trainer:
     (periodic, on SIGTERM, after each evaluation) and ``log`` (console, CSV, TensorBoard)."""
 
     def __init__(self, recipe: Mapping[str, Any], cfg: TrainConfig, run_dir: Path, dist: distributed.DistInfo, *,
-                 resume: bool = False, task: Task | None = None, save_every_steps: int | None = None,
+                 task: Task, resume: bool = False, save_every_steps: int | None = None,
                  save_every_minutes: float | None = 30.0, keep_checkpoints: int = 0, progress: bool = True):
         self.recipe, self.cfg, self.run_dir, self.dist = recipe, cfg, run_dir, dist
         self.resume, self.task, self.progress = resume, task, progress
@@ -346,7 +326,7 @@ class Trainer:
             raise TellkitError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --out")
         # every section but the model (which config.json holds already) goes to the top level of
         # config.json, so `tellkit evaluate` / `caption` / `serve` rebuild the task from it alone
-        reserved = {"format_version", "family", "config", "tellkit_version"} & set(self.resolved)
+        reserved = set(RESERVED_CHECKPOINT_KEYS) & set(self.resolved)
         if reserved:
             raise TellkitError(f"recipe sections {sorted(reserved)} clash with checkpoint metadata names")
         if dist.is_main:
@@ -356,12 +336,9 @@ class Trainer:
     def _build(self) -> None:
         cfg, dist = self.cfg, self.dist
         _seed_all(cfg.seed)  # identical initial weights on every process
-        if self.task is None:
-            self.task = _task_for(self.recipe)
         task = self.task
         model = task.build_model()
         if cfg.init_from and not self.resume:
-            from tellkit.checkpoint import load_weights_into
 
             self.log(f"initial weights from {load_weights_into(model, cfg.init_from)}")
         self.model = model.to(dist.device)

@@ -10,12 +10,6 @@ needed to cross-check the converted FaceNet against the original graph.
 """
 from __future__ import annotations
 
+from tellkit.encoders.faces.pipeline import FaceEncoder
+
 __all__ = ["FaceEncoder"]
-
-
-def __getattr__(name):
-    if name == "FaceEncoder":
-        from tellkit.encoders.faces.pipeline import FaceEncoder
-
-        return FaceEncoder
-    raise AttributeError(name)

@@ -19,10 +19,10 @@ import torch
 from PIL import Image
 from torch import nn
 
-from tellkit.encoders.bundle import MAX_FACES
 from tellkit.encoders.faces.facenet import load_facenet, standardize
 from tellkit.encoders.faces.mtcnn import MTCNN
 from tellkit.encoders.preprocess import to_rgb
+from tellkit.recipes import MAX_FACES
 
 FACE_SIZE = 160
 

@@ -9,11 +9,12 @@ a Task owns everything specific to one kind of model and data. The model contrac
     out["ntokens"]              # int/tensor, number of target tokens (for logging, tokens/s)
     model.generate(...)         # task-specific; called from Task.predict and the inference
                                 # pipelines (tellkit.pipelines), with the recipe's generation
-                                # settings (tellkit.generation.GenerationConfig for captioners)
+                                # settings (the family's generation config, tellkit.recipes)
 
-A task reads its recipe sections through dataclasses that refuse unknown keys (e.g.
-``tellkit.tasks.captioning.CaptionDataConfig`` / ``CaptionEvalConfig``); inference does not go
-through a task but through :mod:`tellkit.pipelines`.
+The training loop (:mod:`tellkit.training.loop`) and evaluator drive this class; the tasks
+(:mod:`tellkit.tasks`) implement it. A task reads its recipe sections through
+:func:`tellkit.recipes.section` and the dataclasses of :mod:`tellkit.recipes`, which refuse
+unknown keys; inference does not go through a task but through :mod:`tellkit.pipelines`.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from tellkit.errors import TellkitError
+from tellkit.registry import create_model
 
 
 class Task:
@@ -36,8 +38,6 @@ class Task:
 
     # --- model -------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
-        from tellkit.registry import create_model
-
         return create_model(self.recipe)
 
     def param_groups(self, model: nn.Module, lr: float) -> list[dict[str, Any]]:

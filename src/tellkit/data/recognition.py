@@ -1,0 +1,73 @@
+"""What a recognition recipe's ``data:`` section (:class:`tellkit.recipes.RecognitionData`)
+means for the data layer: the data folder, the InkML renderer and its cache, how a bitmap is
+prepared for a model, and the training-image augmentation. The training task and the
+inference pipeline both read the section through these functions."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tellkit.config import from_dict
+from tellkit.data.crohme import ImageAugment
+from tellkit.data.ink_augment import InkAugment, parse_augment
+from tellkit.data.inkml import InkRenderer, RenderConfig, default_cache_dir
+from tellkit.errors import TellkitError
+from tellkit.recipes import RecognitionData
+
+
+def resolve_data_root(root: str | None) -> Path:
+    if not root:
+        raise TellkitError("no CROHME data given: set data.root in the recipe, pass --data DIR, or data.root=DIR")
+    p = Path(root).expanduser()
+    if not p.is_dir():
+        raise TellkitError(f"CROHME data not found at '{root}' (data.root or --data)")
+    return p
+
+
+def render_config(data: RecognitionData) -> RenderConfig:
+    return from_dict(RenderConfig, data.render or {}, "data.render")
+
+
+def cache_dir(data: RecognitionData) -> Path | None:
+    if data.cache in (None, "", "none", False):
+        return None
+    return default_cache_dir() if data.cache == "default" else Path(data.cache).expanduser()
+
+
+def make_renderer(data: RecognitionData, root: Path | None = None) -> InkRenderer:
+    return InkRenderer(render_config(data), cache_dir(data), root)
+
+
+def bitmap_kwargs(data: RecognitionData, trained_on_renders: bool = False) -> dict[str, Any]:
+    """How :func:`tellkit.data.crohme.load_image` prepares a bitmap for this model. Bitmaps
+    for a model trained on InkML renders (``trained_on_renders``, or ``bitmap_fit``) are
+    brought to the renders' scale (the median ink component as large as a rendered median
+    stroke with its pen: stroke size + pen width + 1 pixel, which is what the renderer's own
+    output measures), with strokes at least as wide as the renderer's pen, the renderer's
+    margin, and at most its pixel cap; otherwise ``crop``, ``scale`` and ``max_side``."""
+    kw: dict[str, Any] = {"crop": bool(data.crop), "max_side": int(data.max_side)}
+    if not (trained_on_renders or data.bitmap_fit):
+        return {**kw, "scale": float(data.scale)}
+    rc = render_config(data)
+    return {**kw, "fit_pixels": int(rc.max_pixels), "component_size": float(rc.stroke_size + rc.line_width + 1),
+            "min_pen": float(rc.line_width), "margin": int(rc.margin)}
+
+
+def augmenter(data: RecognitionData) -> ImageAugment | None:
+    """The training-image distortion of ``data.augment``, or None."""
+    image, ink = parse_augment(data.augment, "data.augment")
+    if ink is not None and data.layout != "inkml":
+        raise TellkitError("data.augment: the stroke-space keys need data.layout: inkml")
+    return image
+
+
+def ink_augmenter(data: RecognitionData) -> InkAugment | None:
+    """The stroke-space distortion of ``data.augment`` (InkML training data), or None."""
+    return parse_augment(data.augment, "data.augment")[1]
+
+
+def check(data: RecognitionData) -> RecognitionData:
+    """Fail early on settings only the data layer can check (``render``, ``augment``)."""
+    render_config(data)
+    augmenter(data)
+    return data

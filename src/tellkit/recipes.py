@@ -1,0 +1,453 @@
+"""Run recipes, read in one place: the layer under everything that reads a recipe.
+
+A recipe (``configs/**.yaml``, or the sections a checkpoint's ``config.json`` keeps) has the
+sections ``task``, ``model``, ``data``, ``train``, ``eval``, ``encoders`` (and ``row`` for
+``tellkit table``). Every typed section is a dataclass defined here, read with
+:func:`section` (one error text for a section that is not a mapping; an unknown key is an
+error, see :func:`tellkit.config.from_dict`)::
+
+    data = section(recipe, "data", CaptionDataConfig)
+    gen = section(recipe, "eval", CaptionEvalConfig).generation.updated(beam_size=args.beam_size)
+    out = model.generate(batch, **gen.kwargs())
+
+Each model family has ONE generation config (like Hugging Face's ``GenerationConfig``), all of
+one shape (:class:`GenerationSettings`: ``from_section``, ``updated``, ``kwargs``):
+:class:`CaptionGeneration` (Transform and Tell and the captioning baselines),
+:class:`RecognitionGeneration` (BTTR) and :class:`SummaryGeneration` (VG-BART / VG-T5, seq2seq).
+A family's ``eval`` section is its generation config plus how predictions are scored.
+
+Also owned here: the values a recipe may name (data formats, context modes, the packaged
+encoders), the packaged default models (:func:`packaged_default`) and the checkpoint
+metadata keys a recipe section may not use (:data:`RESERVED_CHECKPOINT_KEYS`). This module
+imports only :mod:`tellkit.config` and :mod:`tellkit.errors`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, overload
+
+from tellkit.config import from_dict
+from tellkit.errors import TellkitError
+
+T = TypeVar("T")
+
+SPLITS = ("train", "val", "test")
+
+# checkpoint metadata written beside the recipe sections in config.json (tellkit.checkpoint)
+RESERVED_CHECKPOINT_KEYS = ("format_version", "family", "config", "tellkit_version")
+
+# --- the packaged default models ------------------------------------------------------------------
+ASSETS = Path(__file__).resolve().parent / "assets"
+# the default model of each kind (`tellkit caption` / `recognize` / `demo` / `serve` without a checkpoint)
+PACKAGED_DEFAULTS: dict[str, Path] = {"caption": ASSETS / "default_caption", "math": ASSETS / "bttr_default"}
+
+
+def packaged_default(kind: str) -> Path | None:
+    """The packaged default checkpoint of ``kind`` ("caption" or "math") when it is installed
+    (its weights file is there), else None."""
+    if kind not in PACKAGED_DEFAULTS:
+        raise TellkitError(f"no packaged default of kind '{kind}'; known: {', '.join(PACKAGED_DEFAULTS)}")
+    path = PACKAGED_DEFAULTS[kind]
+    return path if (path / "model.safetensors").is_file() else None
+
+
+# --- reading a section ----------------------------------------------------------------------------
+@overload
+def section(recipe: Mapping[str, Any], name: str) -> dict[str, Any]: ...
+@overload
+def section(recipe: Mapping[str, Any], name: str, cls: type[T], where: str | None = None) -> T: ...
+def section(recipe, name, cls=None, where=None):
+    """The recipe's section ``name``: a plain dict (``cls`` None) or the dataclass ``cls`` built
+    from it (unknown keys refused). A missing or null section is empty; ``where`` names the
+    section in error messages (default: ``name``)."""
+    where = where or name
+    sec = recipe.get(name) if isinstance(recipe, Mapping) else None
+    if cls is not None and isinstance(sec, cls):
+        return sec
+    if sec is None:
+        sec = {}
+    if not isinstance(sec, Mapping):
+        raise TellkitError(f"{where}: the recipe's '{name}' section must be a mapping, got {type(sec).__name__}")
+    return dict(sec) if cls is None else from_dict(cls, dict(sec), where)
+
+
+def known_keys(sec: Mapping[str, Any] | None, cls: type) -> dict[str, Any]:
+    """The keys of ``sec`` that dataclass ``cls`` knows: for sections stored by an older version
+    in a checkpoint, which may hold keys this version dropped (recipes are checked strictly)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in dict(sec or {}).items() if k in names}
+
+
+def model_section(recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """The model part of a recipe: its ``model`` section, or the recipe itself (a model config file)."""
+    sec = section(recipe, "model") if "model" in recipe else dict(recipe)
+    if "name" not in sec:
+        raise TellkitError("config has no model section with a 'name' (the model family)")
+    return sec
+
+
+# --- generation: one config per family, all of one shape -----------------------------------------
+class GenerationSettings:
+    """What the generation configs of the families share (they are dataclasses)."""
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    def generation_fields(cls) -> tuple[str, ...]:
+        """The fields of the family's generation config (an eval section adds scoring fields)."""
+        base = next(c for c in cls.__mro__ if GenerationSettings in c.__bases__)
+        return tuple(f.name for f in dataclasses.fields(base))  # type: ignore[arg-type]
+
+    @classmethod
+    def from_section(cls, sec: Mapping[str, Any] | None, where: str = "eval", **overrides: Any):
+        """The generation fields of a recipe section (its other keys are left to the eval
+        config), with non-None ``overrides`` on top."""
+        keep = cls.generation_fields()
+        d = {k: v for k, v in dict(sec or {}).items() if k in keep}
+        d.update({k: v for k, v in overrides.items() if v is not None})
+        base = next(c for c in cls.__mro__ if GenerationSettings in c.__bases__)
+        return from_dict(base, d, where)
+
+    def updated(self, **overrides: Any):
+        """A copy with the given fields replaced; ``None`` values leave a field unchanged."""
+        unknown = sorted(set(overrides) - set(self.fields()))
+        if unknown:
+            raise TellkitError(f"generation: unknown setting(s) {', '.join(unknown)}")
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})  # type: ignore
+
+    @property
+    def generation(self):
+        """The family's generation config alone (an eval section without its scoring fields)."""
+        base = next(c for c in type(self).__mro__ if GenerationSettings in c.__bases__)
+        return base(**{f: getattr(self, f) for f in self.generation_fields()})
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the family's ``model.generate``."""
+        return {f: getattr(self, f) for f in self.generation_fields()}
+
+
+@dataclass
+class CaptionGeneration(GenerationSettings):
+    """How a captioner decodes (the ``generate`` keyword arguments of every captioning family)."""
+
+    max_len: int | None = None  # most generated tokens, EOS included; None: the model's own default
+    beam_size: int = 1  # 1 = greedy (the Transform and Tell reference decodes greedily)
+    length_penalty: float = 1.0  # a finished beam scores sum(log p) / length ** length_penalty
+    min_len: int = 1  # EOS is forbidden before this many tokens
+    no_repeat_ngram_size: int = 0  # >0: never repeat an n-gram of this size
+
+    def __post_init__(self) -> None:
+        for name in ("beam_size", "min_len"):
+            if int(getattr(self, name)) < 1:
+                raise TellkitError(f"generation: {name} must be at least 1, got {getattr(self, name)}")
+        if self.max_len is not None and int(self.max_len) < 1:
+            raise TellkitError(f"generation: max_len must be at least 1, got {self.max_len}")
+        if int(self.no_repeat_ngram_size) < 0:
+            raise TellkitError(f"generation: no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+
+
+GenerationConfig = CaptionGeneration  # the captioners' name for it
+
+
+@dataclass
+class RecognitionGeneration(GenerationSettings):
+    """How a BTTR model searches: the joint bidirectional beam search (``model.generate``)."""
+
+    beam_size: int = 10
+    max_len: int = 200
+    alpha: float = 1.0  # length normalisation exponent
+    bidirectional: bool = True
+    rescore: bool = True
+
+    def __post_init__(self) -> None:
+        if int(self.beam_size) < 1 or int(self.max_len) < 1:
+            raise TellkitError(f"generation: beam_size and max_len must be at least 1, "
+                               f"got {self.beam_size}, {self.max_len}")
+
+
+@dataclass
+class SummaryGeneration(GenerationSettings):
+    """Decoding settings of the summarization family (VG-BART, VG-T5, seq2seq)."""
+
+    beam_size: int = 5
+    max_len: int = 64  # new tokens
+    min_len: int = 0
+    no_repeat_ngram_size: int = 3
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.beam_size < 1 or self.max_len < 1 or self.min_len < 0 or self.no_repeat_ngram_size < 0:
+            raise ValueError("beam_size and max_len must be >= 1, min_len and no_repeat_ngram_size >= 0")
+        if self.min_len > self.max_len:
+            raise ValueError(f"min_len {self.min_len} is larger than max_len {self.max_len}")
+
+
+SummaryGenerationConfig = SummaryGeneration
+
+
+# --- captioning -------------------------------------------------------------------------------------
+CAPTION_FORMATS = ("goodnews", "nytimes800k", "coco", "flickr8k")
+CONTEXT_MODES = ("location_aware", "first_tokens", "other_captions", "none")
+CONTEXT_POLICIES = ("reference", "cut")  # see tellkit.encoders.context
+IMAGE_FITS = ("crop", "squash")  # tellkit.encoders.preprocess.FITS
+DEFAULT_IMAGE_ENCODER = "mobilenet_v2"  # the one with pre-trained weights that ship offline
+DEFAULT_ARTICLE_ENCODER = "all-MiniLM-L6-v2"  # packaged; the paper used roberta-large
+DEFAULT_FACE_ENCODER = "facenet_casia"  # packaged CASIA-WebFace FaceNet; the paper used VGGFace2
+MAX_FACES = 4  # Transform and Tell keeps the 4 largest faces
+FACE_DIM = 512
+OBJECT_DIM = 2048
+
+
+@dataclass
+class EncodersConfig:
+    """A recipe's ``encoders:`` section (unknown keys are refused)."""
+
+    # mobilenet_v2 | efficientnet_lite0 | efficientnet_lite1 | efficientnet_lite2 | resnet50 | resnet101 | resnet152
+    image: str = DEFAULT_IMAGE_ENCODER
+    image_weights: str | None = None  # None: the encoder's offline default; a file; "random"
+    image_fit: str = "crop"  # crop: short side + centre crop; squash: whole photo to a square
+    article: str | None = DEFAULT_ARTICLE_ENCODER  # HF name/folder, or static / static:NAME / glove:PATH
+    faces: str | None = DEFAULT_FACE_ENCODER  # facenet_casia (packaged) or another FaceNet with face_weights
+    face_weights: str | None = None  # a facenet-pytorch-layout state dict (e.g. VGGFace2)
+    face_standardization: str | None = None  # None: the face encoder's default
+    objects: str | None = None  # the detector the precomputed object vectors came from (none ships)
+    caption_tokenizer: str | None = None  # None: the packaged RoBERTa BPE
+    max_faces: int = MAX_FACES
+
+    def __post_init__(self) -> None:
+        if self.image_fit not in IMAGE_FITS:
+            raise TellkitError(f"encoders.image_fit must be one of {', '.join(IMAGE_FITS)}, got {self.image_fit!r}")
+        if int(self.max_faces) < 0:
+            raise TellkitError(f"encoders.max_faces must be >= 0, got {self.max_faces}")
+
+    @classmethod
+    def from_recipe(cls, sec: Mapping[str, Any] | EncodersConfig | None) -> EncodersConfig:
+        """An ``encoders`` section (a mapping, None, or already an EncodersConfig)."""
+        return section({"encoders": sec}, "encoders", cls)
+
+    @property
+    def article_is_packaged(self) -> bool:
+        return self.article in (None, "minilm", DEFAULT_ARTICLE_ENCODER)
+
+
+@dataclass
+class CaptionDataConfig:
+    """A captioning recipe's ``data:`` section."""
+
+    format: str | None = None  # goodnews | nytimes800k | coco | flickr8k
+    root: str | None = None  # folder / archive / mongodb:// URI / JSON file; or --data
+    context: str = "location_aware"  # which article text the model reads (tellkit.encoders.context)
+    context_policy: str = "reference"  # reference (the paper's code) | cut (tellkit's earlier builder)
+    max_article_tokens: int = 512  # the article encoder's budget, special tokens included
+    # caption BPE tokens kept for training / the teacher-forced loss, between <s> and </s> (the
+    # reference's caption indexer keeps 510); the decoder's sinusoidal positions have no fixed size
+    max_caption_tokens: int = 510
+    features: str | None = None  # feature-cache folder (optional)
+    limit: dict[str, int] | None = None  # e.g. {val: 250, test: 500}: the first N samples of a split
+    options: dict[str, Any] = field(default_factory=dict)  # keyword options of the data loader
+    files: dict[str, str] | None = None  # COCO: one annotation file per split (instead of root)
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in CAPTION_FORMATS:
+            raise TellkitError(f"data.format must be one of {', '.join(CAPTION_FORMATS)}, got {self.format!r}")
+        if self.context not in CONTEXT_MODES:
+            raise TellkitError(f"data.context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
+        if self.context_policy not in CONTEXT_POLICIES:
+            raise TellkitError(f"data.context_policy must be one of {', '.join(CONTEXT_POLICIES)}, "
+                               f"got {self.context_policy!r}")
+        if int(self.max_article_tokens) < 3:
+            raise TellkitError(f"data.max_article_tokens must be at least 3, got {self.max_article_tokens}")
+        if isinstance(self.max_caption_tokens, bool) or int(self.max_caption_tokens) < 1:
+            raise TellkitError(f"data.max_caption_tokens must be at least 1, got {self.max_caption_tokens}")
+        for name in ("limit", "files", "options"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, Mapping):
+                raise TellkitError(f"data.{name} must be a mapping, got {v!r}")
+        bad = sorted(set(self.limit or {}) - set(SPLITS))
+        if bad:
+            raise TellkitError(f"data.limit: unknown split(s) {', '.join(map(str, bad))}; known: {', '.join(SPLITS)}")
+        self.options = dict(self.options or {})
+
+
+@dataclass
+class CaptionEvalConfig(CaptionGeneration):
+    """A captioning recipe's ``eval:`` section: the generation settings and how predictions are scored."""
+
+    metrics: list[str] | None = None  # None: every caption metric (bleu, meteor, rouge, cider)
+    ner: bool = True  # named-entity precision / recall (spaCy)
+    ner_model: str | None = None  # None: tellkit.metrics.ner.DEFAULT_MODEL
+    rare_proper_nouns: bool = True  # also score proper nouns unseen in training captions
+    # compare lower-cased text (the Flickr8k / COCO papers' convention); False: case kept, as the
+    # Transform and Tell reference scored news captions, where case marks names
+    lowercase: bool = False
+    monitor: str = "loss"  # the validation metric that selects the best checkpoint
+    batch_size: int | None = None  # None: train.batch_size
+
+
+# --- recognition ------------------------------------------------------------------------------------
+LAYOUTS = ("inkml", "tsv", "caption")
+
+
+@dataclass
+class RecognitionData:
+    """A recognition recipe's ``data:`` section (the fields are described in
+    :mod:`tellkit.tasks.recognition`). ``render`` and ``augment`` are read by the data layer
+    (:mod:`tellkit.data.recognition`: the InkML renderer's and the augmentation's settings)."""
+
+    root: str | None = None
+    layout: str = "inkml"
+    train: str = "train"
+    val: str = "2014"
+    test: str = "2014"
+    render: dict[str, Any] = field(default_factory=dict)
+    cache: str | None = "default"
+    crop: bool = True
+    scale: float = 1.0
+    max_side: int = 0
+    bitmap_fit: bool = False
+    max_pixels: int = 320_000
+    max_len: int = 200
+    max_batch_pixels: int = 320_000
+    limit: dict[str, int] = field(default_factory=dict)
+    # random distortion of training items; empty = none (the reference's way): image space
+    # (tellkit.data.crohme.ImageAugment: rotate, shear, scale) and, for InkML, stroke space
+    # (tellkit.data.ink_augment.InkAugment: render_scale, ink_rotate, ..., substitute)
+    augment: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise TellkitError(f"data.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        for name in ("render", "augment", "limit"):
+            if not isinstance(getattr(self, name) or {}, Mapping):
+                raise TellkitError(f"data.{name} must be a mapping, got {getattr(self, name)!r}")
+        bad = sorted(set(self.limit) - set(SPLITS))
+        if bad:
+            raise TellkitError(f"data.limit: unknown split(s) {', '.join(bad)} (train|val|test)")
+
+
+@dataclass
+class RecognitionEval(RecognitionGeneration):
+    """A recognition recipe's ``eval:`` section: the search settings and the search batch size."""
+
+    batch_size: int = 16  # images per search batch (val/test; no pixel cap)
+
+
+# --- summarization ----------------------------------------------------------------------------------
+@dataclass
+class How2DataConfig:
+    """A summarization recipe's ``data:`` section."""
+
+    root: str | None = None  # the How2 folder; no default (recipe, data.root=..., or --data)
+    train: tuple[str, ...] = ("sum_train",)
+    val: tuple[str, ...] = ("sum_cv",)
+    test: tuple[str, ...] = ("sum_devtest",)
+    max_source_tokens: int = 512
+    max_target_tokens: int = 128
+    max_frames: int = 256
+    pad_frames: bool = True  # pad every video to max_frames; else to the batch's longest (as the reference)
+    source_prefix: str = ""  # text put before every transcript (e.g. T5's "summarize: ")
+    source_special_tokens: bool = True  # the tokenizer's <s> / </s> around the transcript (reference: none)
+    dedupe: bool = True  # skip a video id already read from an earlier part of the same split
+
+
+@dataclass
+class SummaryEvalConfig(SummaryGeneration):
+    """A summarization recipe's ``eval:`` section."""
+
+    batch_size: int | None = None
+    metrics: tuple[str, ...] = ("rouge", "caption", "content_f1")
+
+
+# --- training ---------------------------------------------------------------------------------------
+OPTIMIZERS = ("adamw", "adam", "adadelta", "bert_adam")
+SCHEDULERS = ("linear_warmup", "step", "plateau", "constant")
+
+
+@dataclass
+class TrainConfig:
+    """The ``train:`` section. Defaults are the Transform and Tell reference recipe (AllenNLP
+    "bert_adam"): AdamW with lr 1e-4, betas (0.9, 0.98), eps 1e-6, decoupled weight decay 1e-5,
+    5% linear warm-up then linear decay to zero, gradient-norm clip 0.1, early stopping after 30
+    evaluations without improvement. One difference from "bert_adam": ``torch.optim.AdamW``
+    applies Adam's bias correction."""
+
+    # optimizer
+    optimizer: str = "adamw"  # adamw (decoupled weight decay) | adam (L2 in the gradient) | adadelta
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-6
+    weight_decay: float = 1e-5
+    rho: float = 0.9  # adadelta only
+    # learning-rate schedule
+    scheduler: str = "linear_warmup"  # linear_warmup | step | plateau | constant
+    warmup: float = 0.05  # fraction of the total optimizer steps (linear_warmup only)
+    step_every_epochs: int = 1  # step: multiply lr by step_gamma every this many epochs
+    step_gamma: float = 0.1
+    plateau_patience: int = 2  # plateau: evaluations without improvement before lr *= factor
+    plateau_factor: float = 0.5
+    clip_norm: float = 0.1  # max gradient L2 norm; 0 = no clipping
+    max_grad_norm: float = 0.0  # bert_adam only: clip EACH parameter's gradient to this norm
+    # batches
+    batch_size: int = 16  # samples per process per micro-batch (a cap when max_tokens is set)
+    max_tokens: int | None = None  # optional cap on tokens per batch (length-bucketed batches)
+    accumulate: int = 1  # micro-batches per optimizer step (per process)
+    # length of training
+    max_epochs: int = 100
+    max_steps: int | None = None  # optimizer steps; stops earlier than max_epochs when reached
+    samples_per_epoch: int | None = None  # None = one pass over the training set per epoch
+    eval_every_epochs: int = 1
+    patience: int | None = 30  # early stopping, in evaluations without improvement; None = never
+    # start from the weights of a checkpoint or run folder (fine-tuning, staged training); the
+    # optimizer, schedule and data order start fresh. Ignored by --resume (the run's own state wins).
+    init_from: str | None = None
+    # runtime
+    amp: bool | str = True  # mixed precision on CUDA: true/"fp16" (with loss scaling), "bf16", false
+    seed: int = 1
+    num_workers: int = 0
+    log_every: int = 50  # optimizer steps between log lines / CSV rows
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise TellkitError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.scheduler not in SCHEDULERS:
+            raise TellkitError(f"train.scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        if self.amp not in (True, False, "fp16", "bf16"):
+            raise TellkitError(f"train.amp must be true, false, 'fp16' or 'bf16', got {self.amp!r}")
+        if not 0.0 <= self.warmup < 1.0:
+            raise TellkitError(f"train.warmup is a fraction of the steps in [0, 1), got {self.warmup}")
+        for name in ("batch_size", "accumulate", "max_epochs", "eval_every_epochs", "log_every", "step_every_epochs"):
+            if int(getattr(self, name)) < 1:
+                raise TellkitError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_tokens", "max_steps", "samples_per_epoch"):
+            v = getattr(self, name)
+            if v is not None and int(v) < 1:
+                raise TellkitError(f"train.{name} must be >= 1 or null, got {v}")
+        if self.lr <= 0:
+            raise TellkitError(f"train.lr must be positive, got {self.lr}")
+        if len(self.betas) != 2:
+            raise TellkitError(f"train.betas must be two numbers, got {self.betas}")
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+
+    @property
+    def amp_dtype(self) -> str | None:
+        """'float16', 'bfloat16' or None (mixed precision is only ever used on CUDA)."""
+        if self.amp is False:
+            return None
+        return "bfloat16" if self.amp == "bf16" else "float16"
+
+
+def train_config(recipe: Mapping[str, Any]) -> TrainConfig:
+    """The recipe's ``train:`` section as a validated :class:`TrainConfig`."""
+    return section(recipe, "train", TrainConfig)
+
+
+def eval_batch_size(recipe: Mapping[str, Any], override: int | None = None) -> int:
+    """Samples per evaluation batch: ``override`` (``--batch-size``), else ``eval.batch_size``,
+    else ``train.batch_size``, else 16."""
+    ev, train = section(recipe, "eval"), section(recipe, "train")
+    return int(override or ev.get("batch_size") or train.get("batch_size") or 16)

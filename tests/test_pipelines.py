@@ -1,8 +1,7 @@
 """The middle layer: the captioning pipeline over one encoder bundle, typed recipe sections,
-one generation config, and the import layering (no cycles, the CLI never imports the server)."""
+one generation config (the import layering: test_layering.py)."""
 from __future__ import annotations
 
-import ast
 import io
 import json
 from pathlib import Path
@@ -115,9 +114,9 @@ def test_pipeline_uses_the_checkpoint_generation_settings(tmp_path, monkeypatch)
     model.save_pretrained(tmp_path / "ck", extra={"task": "captioning", "eval": {"beam_size": 3, "max_len": 5},
                                                   "data": {"context": "none"}})
     made = []
-    def fake(enc, cfg, data, dev):
-        made.append(data.context)
-        return FakeBundle(enc, cfg.contexts)
+    def fake(recipe, cfg, dev):
+        made.append(recipe["data"]["context"])
+        return FakeBundle(recipe.get("encoders"), cfg.contexts)
 
     monkeypatch.setattr(P, "_bundle", fake)
     cap = P.CaptioningPipeline.load(tmp_path / "ck")
@@ -189,39 +188,6 @@ def test_caption_json_reports_the_empty_objects_context(tmp_path, capsys):
     assert main(["caption", "--image", str(DEMO / "coffee.jpg"), "--checkpoint", str(tmp_path / "ck")]) == 0
     printed = capsys.readouterr()
     assert printed.out.strip() == out["caption"] and "no object detector" in printed.err
-
-
-# --- layering --------------------------------------------------------------------------------------
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(encoding="utf-8"))
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-    return out
-
-
-def _imports_of(folder: str) -> dict[str, set[str]]:
-    return {str(p.relative_to(SRC)): _imports(p) for p in (SRC / folder).rglob("*.py")}
-
-
-def test_layering_has_no_cycles_in_the_middle():
-    """encoders never import data / tasks / pipelines / server; data never imports the layers
-    above it; static word vectors do not reach into the article encoder; the CLI's caption and
-    demo commands and the pipelines never import the server or the benchmarks."""
-    above = ("tellkit.tasks", "tellkit.pipelines", "tellkit.server", "tellkit.cli", "tellkit.training")
-    for f, mods in _imports_of("encoders").items():
-        bad = [m for m in mods if m.startswith(("tellkit.data",) + above)]
-        assert not bad, (f, bad)
-    for f, mods in _imports_of("data").items():
-        bad = [m for m in mods if m.startswith(above)]
-        assert not bad, (f, bad)
-    assert "tellkit.encoders.text" not in _imports(SRC / "encoders" / "static_vectors.py")
-    for f in ("cli/cmd_caption.py", "cli/cmd_demo.py", *_imports_of("pipelines")):
-        mods = _imports(SRC / f)
-        assert not [m for m in mods if m.startswith(("tellkit.server", "tellkit.bench", "tellkit.cli"))], f
 
 
 def test_faces_of_a_large_photo_are_detected_on_a_bounded_copy():

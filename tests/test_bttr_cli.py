@@ -17,9 +17,9 @@ def _dataset(root):
     lines = []
     for i, lab in enumerate(LABELS):
         strokes = [[(0, 0), (10 + 5 * (i % 4), 20)], [(0, 20), (10, i % 4)]]
-        from tellkit.data.crohme import render_strokes
+        from tellkit.data.crohme import render_square
 
-        render_strokes(strokes).save(root / "train" / "S" / f"e{i}.png")
+        render_square(strokes).save(root / "train" / "S" / f"e{i}.png")
         lines.append(f"S/e{i}\t{lab}")
     (root / "groundtruth_train.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
 

@@ -9,8 +9,9 @@ import torch
 from tellkit.data.crohme import CrohmeDataset, Expression
 from tellkit.data.ink_augment import InkAugment, InkAugmenter, build_bank, fit_to_box, load_inks
 from tellkit.data.inkml import InkRenderer, RenderConfig, parse_inkml, read_inkml, render_strokes
+from tellkit.data.recognition import augmenter, check, ink_augmenter
 from tellkit.errors import TellkitError
-from tellkit.tasks.recognition import data_section
+from tellkit.recipes import RecognitionData, section
 
 NS = "http://www.w3.org/2003/InkML"
 
@@ -30,6 +31,11 @@ WRITER_C = {
     "+": ["1 10, 21 8", "10 0, 12 20"],
     "1": ["30 0, 28 22", "24 22, 33 22"],
 }
+
+
+def data_section(d):
+    """A recognition recipe's data section, read as the task reads it."""
+    return check(section({"data": d}, "data", RecognitionData))
 
 
 def inkml_file(symbols, writer, truth="x+1", segmented=True, extra_group=""):
@@ -88,7 +94,7 @@ BASE = RenderConfig(stroke_size=16, line_width=2.0, margin=4, supersample=4, max
 def _dataset(root, augment: dict):
     d = data_section({"root": str(root), "augment": augment, "limit": {}})
     exprs = [Expression(p.stem, p, ["x", "+", "1"]) for p in sorted((root / "train" / "S").glob("*.inkml"))]
-    return CrohmeDataset(exprs, render=InkRenderer(BASE), ink_augment=d.ink_augmenter())
+    return CrohmeDataset(exprs, render=InkRenderer(BASE), ink_augment=ink_augmenter(d))
 
 
 @pytest.mark.parametrize("name", sorted(SWITCHES))
@@ -118,9 +124,9 @@ def test_off_is_the_plain_render(ink_root):
     out = InkAugmenter(InkAugment())(e, np.random.default_rng(0))
     assert out.render(BASE).tobytes() == render_strokes(e.strokes, BASE).tobytes()
     d = data_section({"root": str(ink_root), "augment": {}})
-    assert d.ink_augmenter() is None and d.augmenter() is None
+    assert ink_augmenter(d) is None and augmenter(d) is None
     # switched on with nothing to do (zero magnitude ranges are the off values)
-    assert data_section({"augment": {"render_scale": [1, 1], "pen_width": [0, 0]}}).ink_augmenter() is None
+    assert ink_augmenter(data_section({"augment": {"render_scale": [1, 1], "pen_width": [0, 0]}})) is None
 
 
 def test_render_scale_and_pen_width_reach_the_renderer_and_respect_the_pixel_cap(ink_root):
@@ -137,8 +143,8 @@ def test_render_scale_and_pen_width_reach_the_renderer_and_respect_the_pixel_cap
 
 def test_image_and_stroke_keys_live_side_by_side():
     d = data_section({"augment": {"rotate": 2, "render_scale": [0.7, 1.4], "substitute": 0.3}})
-    assert d.augmenter().rotate == 2 and d.ink_augmenter().substitute == 0.3
-    assert d.ink_augmenter().render_scale == (0.7, 1.4)
+    assert augmenter(d).rotate == 2 and ink_augmenter(d).substitute == 0.3
+    assert ink_augmenter(d).render_scale == (0.7, 1.4)
 
 
 @pytest.mark.parametrize("augment, key", [
@@ -181,8 +187,8 @@ def test_shipped_recipes_keep_augmentation_off_and_crohme_aug_turns_it_on():
 
     for name in ("crohme", "crohme_cpu"):
         d = data_section(load_yaml(f"configs/bttr/{name}.yaml")["data"])
-        assert d.augmenter() is None and d.ink_augmenter() is None
-    aug = data_section(load_yaml("configs/bttr/crohme_aug.yaml")["data"]).ink_augmenter()
+        assert augmenter(d) is None and ink_augmenter(d) is None
+    aug = ink_augmenter(data_section(load_yaml("configs/bttr/crohme_aug.yaml")["data"]))
     assert aug.render_scale == (0.7, 1.4) and 0 < aug.substitute < 1 and aug.pen_width[0] > 0
 
 

@@ -50,7 +50,7 @@ def test_recipes_parse(path):
         assert not set(recipe["data"]["test"]) & set(recipe["data"]["val"])
         assert not set(recipe["data"]["test"]) & set(recipe["data"]["train"])  # never train on the test split
         assert tc.clip_norm == 1.0 and tc.lr == 3e-5 and task.model_config.new_layer_lr_scale == 5.0
-        assert task.eval.generation().kwargs() == {"beam_size": 5, "max_len": 64, "min_len": 0,
+        assert task.eval.generation.kwargs() == {"beam_size": 5, "max_len": 64, "min_len": 0,
                                                    "no_repeat_ngram_size": 3, "length_penalty": 1.0}
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tellkit.data.crohme import render_strokes
+from tellkit.data.crohme import render_square
 from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import ASSETS, SAMPLE_LATEX, SAMPLE_PATH, Recognizer  # noqa: F401 - re-exported
 from tellkit.recipes import PACKAGED_DEFAULTS
@@ -49,7 +49,7 @@ def sample_strokes() -> list[list[tuple[float, float]]]:
 def draw_sample(path: str | Path | None = None):
     """Render :func:`sample_strokes` like the shared CROHME images; save it when ``path`` is given."""
 
-    im = render_strokes(sample_strokes())
+    im = render_square(sample_strokes())
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         im.save(path, optimize=True)

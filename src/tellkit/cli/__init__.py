@@ -45,10 +45,8 @@ def read_text_file(path, what: str) -> str:
 
 
 def _commands():
-    import tellkit.cli as pkg
-
     mods = []
-    for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
         if info.name.startswith("cmd_"):
             mods.append(importlib.import_module(f"tellkit.cli.{info.name}"))
     return mods

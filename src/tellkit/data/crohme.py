@@ -33,11 +33,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tellkit.data.inkml import RenderConfig
+from tellkit.data.ink_augment import InkAugmenter, build_bank, load_inks
+from tellkit.data.inkml import RenderConfig, image_to_tensor, pad_to_stride, scan_folder
 from tellkit.data.latex import Vocab, normalize
 from tellkit.errors import TellkitError
+from tellkit.utils.images import ImageError, open_image
 
-STRIDE = 16
 IMAGE_SUFFIXES = (".png", ".bmp", ".jpg", ".jpeg")
 
 
@@ -47,7 +48,6 @@ class Expression:
     image: Path
     tokens: list[str]
     raw: str = ""
-
 
 # --- label files -----------------------------------------------------------------------------
 def read_tsv_labels(path: str | os.PathLike) -> list[tuple[str, str]]:
@@ -66,7 +66,6 @@ def read_tsv_labels(path: str | os.PathLike) -> list[tuple[str, str]]:
             rows.append((row[0].strip(), row[1].strip()))
     return rows
 
-
 def read_caption_txt(path: str | os.PathLike) -> list[tuple[str, list[str]]]:
     """WAP/BTTR ``caption.txt``: ``id<TAB>space separated tokens`` (some releases use spaces only)."""
     p = Path(path)
@@ -80,14 +79,12 @@ def read_caption_txt(path: str | os.PathLike) -> list[tuple[str, list[str]]]:
         out.append((parts[0].strip(), parts[1].split() if len(parts) > 1 else []))
     return out
 
-
 def load_tsv_split(tsv: str | os.PathLike, image_root: str | os.PathLike) -> list[Expression]:
     root = Path(image_root)
     exprs = []
     for key, raw in read_tsv_labels(tsv):
         exprs.append(Expression(key, root / f"{key}.png", normalize(raw), raw))
     return exprs
-
 
 def load_caption_dir(folder: str | os.PathLike) -> list[Expression]:
     d = Path(folder)
@@ -98,7 +95,6 @@ def load_caption_dir(folder: str | os.PathLike) -> list[Expression]:
         exprs.append(Expression(key, img, normalize(" ".join(toks)), " ".join(toks)))
     return exprs
 
-
 def _find_image(d: Path, key: str) -> Path:
     for sub in (d, d / "img", d / "images"):
         for suf in IMAGE_SUFFIXES:
@@ -106,13 +102,10 @@ def _find_image(d: Path, key: str) -> Path:
                 return sub / f"{key}{suf}"
     raise TellkitError(f"{d}: no image for '{key}' (looked for {key}.png/.bmp/.jpg here and in img/)")
 
-
 def load_inkml_split(root: str | os.PathLike, split: str, skipped: dict[str, int] | None = None) -> list[Expression]:
     """``train`` (every ``train/**.inkml``), a year under ``test/`` (``2014``), or any folder
     under ``root`` holding InkML files. Unusable files are skipped; ``skipped`` (if given)
     receives reason -> count."""
-    from tellkit.data.inkml import scan_folder
-
     r = Path(root)
     folder = next((c for c in (r / split, r / "test" / split) if c.is_dir()), None)
     if folder is None:
@@ -133,7 +126,6 @@ def load_inkml_split(root: str | os.PathLike, split: str, skipped: dict[str, int
         raise TellkitError(f"{folder}: no usable InkML files" + (f" (skipped: {counts})" if counts else ""))
     return exprs
 
-
 def load_split(root: str | os.PathLike, split: str, layout: str = "tsv",
                skipped: dict[str, int] | None = None) -> list[Expression]:
     """A named split of the shared layout (``train``, ``2014``, ``gt_split/train``,
@@ -153,7 +145,6 @@ def load_split(root: str | os.PathLike, split: str, layout: str = "tsv",
     if (r / f"groundtruth_{split}.tsv").is_file():
         return load_tsv_split(r / f"groundtruth_{split}.tsv", r / "test" / split)
     raise TellkitError(f"{r}: unknown CROHME split '{split}'")
-
 
 # --- images -----------------------------------------------------------------------------------
 def ink_component_sizes(ink: np.ndarray, threshold: float = 0.5, min_pixels: int = 4) -> np.ndarray:
@@ -199,7 +190,6 @@ def ink_component_sizes(ink: np.ndarray, threshold: float = 0.5, min_pixels: int
     return np.array([max(c[1] - c[0], c[3] - c[2]) + 1 for c in comps.values() if c[4] >= min_pixels],
                     dtype=np.int64)
 
-
 def pen_width(ink: np.ndarray, threshold: float = 0.5) -> float:
     """Estimated pen width in pixels: 2 x ink area / ink perimeter (a stroke of width w and
     length L has area wL and perimeter about 2L); 0 when there is no ink."""
@@ -210,7 +200,6 @@ def pen_width(ink: np.ndarray, threshold: float = 0.5) -> float:
     p = np.pad(b, 1)
     edges = int((p[1:] != p[:-1]).sum() + (p[:, 1:] != p[:, :-1]).sum())
     return 2.0 * area / edges
-
 
 def _dilate(a: np.ndarray, k: int) -> np.ndarray:
     """Grey-level dilation by a (k+1) x (k+1) square: strokes become k pixels wider. A running
@@ -225,7 +214,6 @@ def _dilate(a: np.ndarray, k: int) -> np.ndarray:
             np.maximum(out, p[i : i + n] if axis == 0 else p[:, i : i + n], out=out)
         a = out
     return a
-
 
 def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool = True,
                scale: float = 1.0, max_side: int = 0, require_ink: bool = False, max_pixels: int = 0,
@@ -244,7 +232,6 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
     from PIL import Image
 
     if image is None:
-        from tellkit.utils.images import ImageError, open_image
 
         p = Path(path)
         if not p.is_file():
@@ -295,9 +282,8 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
     t = torch.from_numpy(np.ascontiguousarray(a))[None]
     return pad_to_stride(t)
 
-
-def render_strokes(strokes: Sequence[Sequence[tuple[float, float]]], size: int = 256, margin: int = 5,
-                   width: int = 2):
+def render_square(strokes: Sequence[Sequence[tuple[float, float]]], size: int = 256, margin: int = 5,
+                  width: int = 2):
     """Draw pen strokes (lists of (x, y) points, y down) like the shared CROHME renders: black
     ink on a white ``size`` x ``size`` square, the expression scaled to fit and centred."""
     from PIL import Image, ImageDraw
@@ -318,13 +304,6 @@ def render_strokes(strokes: Sequence[Sequence[tuple[float, float]]], size: int =
             xy = xy * 2
         d.line(xy, fill=0, width=width, joint="curve")
     return im
-
-
-def pad_to_stride(img: torch.Tensor, stride: int = STRIDE) -> torch.Tensor:
-    h, w = img.shape[-2:]
-    ph, pw = (-h) % stride, (-w) % stride
-    return torch.nn.functional.pad(img, (0, pw, 0, ph)) if ph or pw else img
-
 
 # --- dataset and batches ------------------------------------------------------------------------
 @dataclass
@@ -374,7 +353,6 @@ class ImageAugment:
         out = F.grid_sample(img[None].float(), grid, mode="bilinear", padding_mode="zeros", align_corners=True)
         return out[0].to(img.dtype)
 
-
 class CrohmeDataset(torch.utils.data.Dataset):
     """Items: ``{"id", "image": [1,H,W], "labels": list[int] (no sos/eos), "tokens"}``."""
 
@@ -411,8 +389,6 @@ class CrohmeDataset(torch.utils.data.Dataset):
             self._sizes = [sizes[i] for i in keep]
         self.ink_augment = None
         if ink_augment is not None:
-            from tellkit.data.ink_augment import InkAugmenter, build_bank, load_inks
-
             if not isinstance(getattr(render, "config", None), RenderConfig):
                 raise TellkitError("data.augment: the stroke-space keys need InkML data (data.layout: inkml)")
             self.inks = load_inks(e.image for e in self.exprs)
@@ -440,8 +416,6 @@ class CrohmeDataset(torch.utils.data.Dataset):
         sub-expression's when one was drawn). ``rng``: by default one per call, seeded from
         torch's generator (so the training loop's seed reproduces an epoch, and every epoch and
         data-loading worker draws differently) and the index."""
-        from tellkit.data.inkml import image_to_tensor
-
         if rng is None:
             rng = np.random.default_rng([int(torch.randint(0, 2**62, (1,))), i])
         ink = self.ink_augment(self.inks[i], rng, source=i)
@@ -453,7 +427,6 @@ class CrohmeDataset(torch.utils.data.Dataset):
         if self._sizes is None:
             self._sizes = [tuple(self.image(i).shape[-2:]) for i in range(len(self.exprs))]
         return self._sizes
-
 
 def collate(samples: list[dict], pad_id: int = 0) -> dict:
     """Pad images (background 0) and labels. ``image_mask`` True = real pixel.
@@ -477,7 +450,6 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
         "label_lengths": torch.tensor([len(seq) for seq in labels], dtype=torch.long),
         "ids": [s["id"] for s in samples], "tokens": [s["tokens"] for s in samples],
     }
-
 
 def size_batches(sizes: Sequence[tuple[int, int]], batch_size: int, max_batch_pixels: int,
                  shuffle: bool = False, seed: int = 0, sort: str = "shape") -> list[list[int]]:
@@ -510,4 +482,3 @@ def size_batches(sizes: Sequence[tuple[int, int]], batch_size: int, max_batch_pi
     if shuffle:
         random.Random(seed).shuffle(batches)
     return batches
-

@@ -4,7 +4,7 @@ The CROHME training set is pen strokes (InkML), so a distortion can be applied w
 and exact: to the trajectories, before :func:`tellkit.data.inkml.render_strokes` draws them.
 Each switch of :class:`InkAugment` is off by default; the recipe turns them on under
 ``data.augment`` (beside the image-space keys of :class:`tellkit.data.crohme.ImageAugment`),
-and :func:`parse_augment` reads and validates both when the recipe is read.
+and :func:`tellkit.data.recognition.parse_augment` reads and validates both when the recipe is read.
 
 Sizes are relative to the expression's own handwriting: ``S`` below is the median stroke size
 (:func:`tellkit.data.inkml.stroke_scale`, the same measure the renderer normalises by).
@@ -41,7 +41,15 @@ from typing import Any
 
 import numpy as np
 
-from tellkit.data.inkml import InkExpression, InkMLError, InkSymbol, RenderConfig, read_inkml, stroke_scale
+from tellkit.data.inkml import (
+    InkExpression,
+    InkMLError,
+    InkSymbol,
+    RenderConfig,
+    read_inkml,
+    render_strokes,
+    stroke_scale,
+)
 from tellkit.errors import TellkitError
 
 WHERE = "data.augment"
@@ -54,7 +62,6 @@ def _number(name: str, value: Any, lo: float, hi: float) -> float:
         raise TellkitError(f"{WHERE}.{name}: expected a number in [{lo:g}, {hi:g}], got {value!r}")
     return float(value)
 
-
 def _range(name: str, value: Any, lo: float, hi: float, allow_zero: bool = False) -> tuple[float, float]:
     msg = f"{WHERE}.{name}: expected [low, high] with {lo:g} < low <= high <= {hi:g}"
     if not isinstance(value, (list, tuple)) or len(value) != 2 or any(
@@ -66,7 +73,6 @@ def _range(name: str, value: Any, lo: float, hi: float, allow_zero: bool = False
     if not lo < a <= b <= hi:
         raise TellkitError(f"{msg}, got {value!r}")
     return (a, b)
-
 
 @dataclass
 class InkAugment:
@@ -103,26 +109,6 @@ class InkAugment:
                     or self.stroke_scale or self.stroke_rotate or self.elastic or self.pen_width != (0.0, 0.0)
                     or self.substitute or self.subexpr)
 
-
-def parse_augment(mapping: Mapping[str, Any] | None, where: str = WHERE):
-    """``data.augment`` -> ``(ImageAugment or None, InkAugment or None)``: the image-space keys
-    (``rotate``, ``shear``, ``scale``) and the stroke-space keys, each None when all its
-    switches are off. Unknown keys and bad values raise a one-line :class:`TellkitError`."""
-    from tellkit.config import from_dict
-    from tellkit.data.crohme import ImageAugment
-
-    d = dict(mapping or {})
-    image_keys = {f.name for f in dataclasses.fields(ImageAugment)}
-    ink_keys = {f.name for f in dataclasses.fields(InkAugment)}
-    unknown = sorted(set(d) - image_keys - ink_keys)
-    if unknown:
-        known = ", ".join(sorted(image_keys | ink_keys))
-        raise TellkitError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {known}")
-    image = from_dict(ImageAugment, {k: v for k, v in d.items() if k in image_keys}, where)
-    ink = from_dict(InkAugment, {k: v for k, v in d.items() if k in ink_keys}, where)
-    return (image if image.active else None), (ink if ink.active else None)
-
-
 # --- the symbol bank ------------------------------------------------------------------------------
 @dataclass
 class _Donor:
@@ -130,7 +116,6 @@ class _Donor:
     writer: str | None
     strokes: list[np.ndarray]
     scale: float  # the median stroke size of its expression
-
 
 @dataclass
 class SymbolBank:
@@ -164,7 +149,6 @@ class SymbolBank:
                 continue
             return d
         return None
-
 
 def fit_to_box(strokes: Sequence[np.ndarray], lo: np.ndarray, hi: np.ndarray, target_scale: float,
                donor_scale: float) -> list[np.ndarray] | None:
@@ -324,15 +308,12 @@ class AugmentedInk:
         return dataclasses.replace(base, **kw)
 
     def render(self, base: RenderConfig):
-        from tellkit.data.inkml import render_strokes
 
         return render_strokes(self.strokes, self.render_config(base))
-
 
 def _rot(deg: float) -> np.ndarray:
     a = math.radians(deg)
     return np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
-
 
 class InkAugmenter:
     """Applies an :class:`InkAugment` to expressions: ``augmenter(expr, rng) -> AugmentedInk``.
@@ -450,7 +431,6 @@ class InkAugmenter:
             symbols.append(InkSymbol(sym.label, idx, sym.ref))
         out.strokes, out.symbols = new_strokes, symbols
 
-
 def load_inks(paths: Iterable[str | os.PathLike]) -> list[InkExpression]:
     """The strokes and segmentation of InkML files (for augmenting them afresh each epoch)."""
     out = []
@@ -460,7 +440,6 @@ def load_inks(paths: Iterable[str | os.PathLike]) -> list[InkExpression]:
         except InkMLError as exc:
             raise TellkitError(f"{WHERE}: cannot read {p} for augmentation ({exc.reason})") from None
     return out
-
 
 def build_bank(inks: Sequence[InkExpression]) -> SymbolBank:
     bank = SymbolBank()
@@ -495,8 +474,9 @@ def measure(root: str | os.PathLike, augment: Mapping[str, Any], render: Mapping
             inks.append(read_inkml(files[i]))
         except InkMLError:
             continue
-    _, cfg = parse_augment(augment)
-    if cfg is None:
+    ink_keys = {f.name for f in dataclasses.fields(InkAugment)}  # the image-space keys are not timed here
+    cfg = from_dict(InkAugment, {k: v for k, v in dict(augment).items() if k in ink_keys}, WHERE)
+    if not cfg.active:
         raise TellkitError(f"{WHERE}: no stroke-space switch is on")
     aug = InkAugmenter(cfg, build_bank(inks) if cfg.substitute else None)
     base = from_dict(RenderConfig, dict(render or {}), "data.render")

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tellkit.errors import TellkitError
 
@@ -52,6 +53,9 @@ class InkMLError(TellkitError):
     def __init__(self, path: str | os.PathLike, reason: str, detail: str = ""):
         self.reason = reason
         super().__init__(f"{path}: {reason}" + (f" ({detail})" if detail else ""))
+
+STRIDE = 16
+
 
 
 @dataclass(frozen=True)
@@ -307,13 +311,16 @@ def render_strokes(strokes: Iterable, config: RenderConfig | None = None):
     return im
 
 
+def pad_to_stride(img: torch.Tensor, stride: int = STRIDE) -> torch.Tensor:
+    """Pad [.., H, W] with zeros (no ink) at the bottom and right to multiples of ``stride``."""
+    h, w = img.shape[-2:]
+    ph, pw = (-h) % stride, (-w) % stride
+    return torch.nn.functional.pad(img, (0, pw, 0, ph)) if ph or pw else img
+
+
 def image_to_tensor(im):
     """A rendered PIL image (black on white) -> float [1, H, W], ink 1, padded to the encoder's
-    stride (see :func:`tellkit.data.crohme.pad_to_stride`)."""
-    import torch
-
-    from tellkit.data.crohme import pad_to_stride
-
+    stride (:func:`pad_to_stride`)."""
     a = 1.0 - np.asarray(im, dtype=np.float32) / 255.0
     return pad_to_stride(torch.from_numpy(np.ascontiguousarray(a))[None])
 

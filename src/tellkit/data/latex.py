@@ -35,6 +35,7 @@ p q r s t u v w x y z { | }
 assert len(SYMBOLS) == 110, len(SYMBOLS)
 
 PAD, SOS, EOS = "<pad>", "<sos>", "<eos>"
+PAD_ID, SOS_ID, EOS_ID = 0, 1, 2  # their ids: the first entries of every Vocab
 
 # raw tokens: a command (\name), an escaped symbol (\{ \, \\ ...), or one non-space character
 _TOKEN_RE = re.compile(r"\\[A-Za-z]+|\\.|\S", re.S)

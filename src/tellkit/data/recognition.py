@@ -4,15 +4,33 @@ prepared for a model, and the training-image augmentation. The training task and
 inference pipeline both read the section through these functions."""
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tellkit.config import from_dict
 from tellkit.data.crohme import ImageAugment
-from tellkit.data.ink_augment import InkAugment, parse_augment
+from tellkit.data.ink_augment import InkAugment
 from tellkit.data.inkml import InkRenderer, RenderConfig, default_cache_dir
 from tellkit.errors import TellkitError
 from tellkit.recipes import RecognitionData
+
+
+def parse_augment(mapping: Mapping[str, Any] | None, where: str = "data.augment"):
+    """``data.augment`` -> ``(ImageAugment or None, InkAugment or None)``: the image-space keys
+    (``rotate``, ``shear``, ``scale``) and the stroke-space keys, each None when all its
+    switches are off. Unknown keys and bad values raise a one-line :class:`TellkitError`."""
+    d = dict(mapping or {})
+    image_keys = {f.name for f in dataclasses.fields(ImageAugment)}
+    ink_keys = {f.name for f in dataclasses.fields(InkAugment)}
+    unknown = sorted(set(d) - image_keys - ink_keys)
+    if unknown:
+        known = ", ".join(sorted(image_keys | ink_keys))
+        raise TellkitError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {known}")
+    image = from_dict(ImageAugment, {k: v for k, v in d.items() if k in image_keys}, where)
+    ink = from_dict(InkAugment, {k: v for k, v in d.items() if k in ink_keys}, where)
+    return (image if image.active else None), (ink if ink.active else None)
 
 
 def resolve_data_root(root: str | None) -> Path:

@@ -29,14 +29,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
+from tellkit.data.latex import EOS_ID, PAD_ID, SOS_ID
 from tellkit.decoding.state import IncrementalDecoder, RowContext, reorder_state
+from tellkit.errors import TellkitError
 from tellkit.layers.attention import MultiheadAttention, ProjectedKV, causal_mask
 from tellkit.layers.dropout import FastDropout
 from tellkit.layers.loss import logits_loss
 from tellkit.layers.positional import SinusoidalPositions
+from tellkit.models.bttr_search import joint_search
 from tellkit.registry import register_model
 
-PAD, SOS, EOS = 0, 1, 2
+PAD, SOS, EOS = PAD_ID, SOS_ID, EOS_ID  # token ids (tellkit.data.latex.Vocab)
 VARIANTS = ("reference", "tellkit-0.1")
 LEGACY = "tellkit-0.1"
 
@@ -76,8 +79,6 @@ class BTTRConfig:
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
-            from tellkit.errors import TellkitError
-
             raise TellkitError(f"bttr: unknown variant {self.variant!r} (one of {', '.join(VARIANTS)})")
 
 
@@ -401,8 +402,6 @@ class BTTR(nn.Module, PretrainedMixin):
                  use_cache: bool = True, alpha: float | None = None) -> dict[str, Any]:
         """Approximate joint search (see :mod:`tellkit.models.bttr_search`).
         -> {"tokens": list[list[int]] (no sos/eos), "scores": list[float]}"""
-        from tellkit.models.bttr_search import joint_search
-
         c = self.config
         return joint_search(self, image, image_mask, beam_size=beam_size or c.beam_size,
                             max_len=max_len or c.max_len, alpha=c.alpha if alpha is None else alpha,

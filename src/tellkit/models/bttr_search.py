@@ -23,7 +23,9 @@ from typing import Any
 
 import torch
 
-from tellkit.models.bttr import EOS, PAD, SOS
+from tellkit.data.latex import EOS_ID as EOS
+from tellkit.data.latex import PAD_ID as PAD
+from tellkit.data.latex import SOS_ID as SOS
 
 NEG = float("-inf")
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tellkit.errors import TellkitError
 from tellkit.layers.attention import ProjectedKV
 from tellkit.models.bttr import BTTR, BTTRConfig, Decoder, DecoderLayer, Encoder
 from tellkit.registry import register_model
@@ -54,13 +55,11 @@ class ComerConfig(BTTRConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        from tellkit.errors import TellkitError
 
         if self.variant != "reference":
             raise TellkitError(f"comer: only variant 'reference' exists (got {self.variant!r})")
         if self.dc < 1:
             raise TellkitError(f"comer: dc must be >= 1 (got {self.dc})")
-
 
 # ---------------------------------------------------------------------------------------------
 # Encoder: BTTR's DenseNet, CoMER's projection and positions
@@ -83,7 +82,6 @@ def comer_image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
 
     return torch.cat([axis(x), axis(y)], -1)
 
-
 class ComerEncoder(Encoder):
     """DenseNet-B -> 1x1 conv to d_model -> + 2-D positions -> LayerNorm (no ReLU)."""
 
@@ -93,7 +91,6 @@ class ComerEncoder(Encoder):
         feat = self.proj(feat).permute(0, 2, 3, 1)  # [B, h, w, d]
         feat = self.norm(feat + comer_image_positions(mask, self.d_model))
         return feat.reshape(feat.shape[0], -1, self.d_model), mask
-
 
 # ---------------------------------------------------------------------------------------------
 # Attention Refinement Module and the decoder around it
@@ -111,7 +108,6 @@ class GridKV(ProjectedKV):
     def real(self) -> torch.Tensor:
         """[N, h, w], True = real pixel."""
         return ~self.key_padding_mask.reshape(self.k.shape[0], -1, self.width)
-
 
 class AttentionRefinement(nn.Module):
     """Coverage [N, C, T, S] (C = nhead per kind of coverage) -> the amount [N, nhead, T, S]
@@ -139,12 +135,10 @@ class AttentionRefinement(nn.Module):
             out = self.norm(x.reshape(-1, x.shape[-1])).reshape(x.shape)
         return out.permute(0, 3, 1, 2)
 
-
 def exclusive_cumsum(a: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum over the positions before each one along ``dim`` (the first gets exactly zero)."""
     total = a.cumsum(dim).narrow(dim, 0, a.shape[dim] - 1)
     return torch.cat([torch.zeros_like(a.narrow(dim, 0, 1)), total], dim)
-
 
 class ComerDecoderLayer(DecoderLayer):
     """BTTR's layer whose cross-attention is refined by the decoder's shared ARM when an earlier
@@ -177,7 +171,6 @@ class ComerDecoderLayer(DecoderLayer):
         probs = torch.softmax(scores.masked_fill(pad, float("-inf")), -1)
         return F.dropout(probs, p=self.cross_attn.dropout, training=self.training)
 
-
 class ComerDecoder(Decoder):
     layer_class = ComerDecoderLayer
 
@@ -209,7 +202,6 @@ class ComerDecoder(Decoder):
         for i, layer in enumerate(self.layers):
             x = layer(x, kvs[i], None if states is None else states[i], ctx)
         return self.out(x)
-
 
 @register_model("comer", ComerConfig)
 class CoMER(BTTR):

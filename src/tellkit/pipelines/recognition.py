@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
-from tellkit.data.crohme import collate, load_image
-from tellkit.data.crohme import render_strokes as render_square
+from tellkit.data.crohme import collate, load_image, render_square
 from tellkit.data.inkml import read_inkml
 from tellkit.data.latex import Vocab
 from tellkit.data.recognition import bitmap_kwargs, make_renderer

@@ -124,7 +124,7 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
     """Write ``config.json`` + ``model.safetensors``. ``dtype`` (e.g. ``torch.float16``) stores
     floating-point weights at lower precision to halve a shipped checkpoint; they are cast
     back to the model's dtype on load."""
-    from safetensors.torch import save
+    from safetensors.torch import save  # heavy
 
     d = Path(directory)
     if d.exists() and not d.is_dir():
@@ -287,8 +287,8 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
 def load_model(directory: str | os.PathLike, map_location: str | torch.device = "cpu", expect: type | None = None):
     """Rebuild a model from ``directory`` (JSON config + safetensors weights), checking the
     config and its size before allocating and the weights before using them."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError  # heavy
+    from safetensors.torch import load_file  # heavy
 
     device = device_of(map_location)
     d = Path(directory)

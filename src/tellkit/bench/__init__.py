@@ -14,7 +14,7 @@ from typing import Any
 
 
 def machine() -> dict[str, Any]:
-    import torch
+    import torch  # heavy
 
     cpu = platform.processor() or ""
     try:
@@ -44,7 +44,7 @@ def machine() -> dict[str, Any]:
 
 def timed(fn: Callable[[], Any], device: str = "cpu", repeat: int = 1) -> tuple[float, Any]:
     """Best wall-clock seconds of ``repeat`` runs (CUDA synchronised), and the last result."""
-    import torch
+    import torch  # heavy
 
     best, result = float("inf"), None
     for _ in range(repeat):

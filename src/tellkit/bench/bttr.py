@@ -63,7 +63,7 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
     ``checkpoint``: default model of ``tellkit recognize``; ``images``: default the first
     ``n_images`` of the CROHME 2014 test set under ``$TELLKIT_SHARED_DATA``, else the packaged
     sample repeated."""
-    import torch
+    import torch  # heavy
 
     if threads:
         torch.set_num_threads(threads)

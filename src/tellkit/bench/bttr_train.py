@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
              fast_dropout: bool = False) -> dict[str, float]:
     """One warm-up step on the first batch (not timed), then one timed pass over ALL batches, so
     every variant trains on exactly the same images."""
-    import torch
+    import torch  # heavy
 
     model = model_fn()
     for m in model.modules():
@@ -88,9 +89,7 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
             "padding_waste": padded / max(real, 1) - 1.0, "seconds": dt}
 
 def _dropout_paired(model_fn, samples, batches, rounds: int = 2) -> dict[str, Any]:
-    import statistics
-
-    import torch
+    import torch  # heavy
 
     model = model_fn()
     model.encoder.densenet.to(memory_format=torch.channels_last)
@@ -123,7 +122,7 @@ def _dropout_paired(model_fn, samples, batches, rounds: int = 2) -> dict[str, An
 
 def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup: int = 1,
                 threads: int | None = None, seed: int = 0, paired_batches: int = 12) -> dict[str, Any]:
-    import torch
+    import torch  # heavy
 
     if threads:
         torch.set_num_threads(threads)

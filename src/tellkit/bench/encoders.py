@@ -20,7 +20,7 @@ from tellkit.encoders.tokenizer import CaptionTokenizer
 
 
 def _photo_path(name: str) -> str:
-    import skimage.data
+    import skimage.data  # optional
 
     return os.path.join(skimage.data.data_dir, name)
 
@@ -56,7 +56,7 @@ def _cases(quick: bool, device: str) -> dict[str, Any]:
         with torch.device(device):
             resnet = build_image_encoder("resnet152", weights="random")
         cases["resnet152_grid"] = lambda: resnet.encode([portrait])
-        from transformers import RobertaConfig, RobertaModel
+        from transformers import RobertaConfig, RobertaModel  # heavy
 
         cfg = RobertaConfig(vocab_size=50265, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                             intermediate_size=4096, max_position_embeddings=514, type_vocab_size=1)

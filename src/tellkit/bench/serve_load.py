@@ -16,6 +16,8 @@ installed, tiny untrained ones (``--untrained``) otherwise; the JSON says which.
 """
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
 import subprocess
@@ -100,10 +102,8 @@ def _start_server(model_args: list[str], max_batch: int, threads: int) -> tuple[
 
 def large_png(width: int = 4000, height: int = 4000) -> bytes:
     """A small file that decodes to a large bitmap: 16-bit grayscale, a sparse grid of dots."""
-    import io
-
-    import numpy as np
-    from PIL import Image
+    import numpy as np  # heavy
+    from PIL import Image  # heavy
 
     a = np.zeros((height, width), np.uint16)
     a[::7, ::5] = 60000
@@ -234,8 +234,6 @@ def run(quick: bool = False, device: str = "cpu", requests: int | None = None, c
     return result
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=8)

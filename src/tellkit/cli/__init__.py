@@ -15,6 +15,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+from pathlib import Path
 
 from tellkit._version import __version__
 from tellkit.errors import TellkitError
@@ -33,8 +34,6 @@ def positive_int(text: str) -> int:
 
 def read_text_file(path, what: str) -> str:
     """A UTF-8 text file named by option ``what``, or a one-line :class:`TellkitError`."""
-    from pathlib import Path
-
     p = Path(path)
     if not p.is_file():
         raise TellkitError(f"{what}: file not found: {p}")

@@ -4,8 +4,11 @@ inference checkpoint, like ``tellkit export`` writes. ``--last N`` takes the sta
 newest saved steps of one run folder (train it with ``--keep-checkpoints`` so that they are kept)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from tellkit.cli import positive_int
 from tellkit.cli.cmd_export import add_output_arguments
+from tellkit.errors import TellkitError
 
 NAME = "average"
 HELP = "average the weights of several checkpoints of one model into one inference checkpoint"
@@ -20,11 +23,8 @@ def add_arguments(p) -> None:
 
 
 def sources(src: list[str], last: int | None) -> list:
-    from pathlib import Path
-
-    from tellkit.checkpoint import resolve_checkpoint
-    from tellkit.errors import TellkitError
-    from tellkit.training.checkpointing import CheckpointManager
+    from tellkit.checkpoint import resolve_checkpoint  # heavy
+    from tellkit.training.checkpointing import CheckpointManager  # heavy
 
     if last is None:
         if len(src) < 2:
@@ -48,10 +48,8 @@ def sources(src: list[str], last: int | None) -> list:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from tellkit.cli.cmd_export import notes_from, report
-    from tellkit.training.export import average_checkpoints, source_name, write_checkpoint_folder
+    from tellkit.cli.cmd_export import notes_from, report  # heavy
+    from tellkit.training.export import average_checkpoints, source_name, write_checkpoint_folder  # heavy
 
     notes = notes_from(args.note)
     found = sources(args.src, args.last)

@@ -1,6 +1,14 @@
 """`tellkit bench`: run the speed benchmarks and write JSON under bench/results/."""
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
+import time
+from pathlib import Path
+
+from tellkit.errors import TellkitError
+
 NAME = "bench"
 HELP = "run speed benchmarks (Transform and Tell generation/training, encoders, BTTR search) and write JSON"
 
@@ -13,10 +21,7 @@ def add_arguments(p) -> None:
 
 
 def _suites() -> dict[str, str]:
-    import importlib
-    import pkgutil
-
-    import tellkit.bench as pkg
+    import tellkit.bench as pkg  # heavy
 
     # a suite is a module of tellkit.bench with a run() function
     names = [m.name for m in pkgutil.iter_modules(pkg.__path__)]
@@ -24,16 +29,10 @@ def _suites() -> dict[str, str]:
 
 
 def run(args) -> int:
-    import importlib
-    import inspect
-    import time
-    from pathlib import Path
+    import torch  # heavy
 
-    import torch
-
-    from tellkit.bench import machine
-    from tellkit.checkpoint import atomic_write_json
-    from tellkit.errors import TellkitError
+    from tellkit.bench import machine  # heavy
+    from tellkit.checkpoint import atomic_write_json  # heavy
 
     available = _suites()
     chosen = args.suites or sorted(available)

@@ -16,6 +16,12 @@ non-UTF-8 article) is a one-line error with exit status 2.
 """
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+from tellkit.errors import TellkitError
+
 NAME = "caption"
 HELP = "caption an image (optionally with its article) with a Transform and Tell or baseline checkpoint"
 
@@ -32,10 +38,6 @@ def add_arguments(p) -> None:
 
 
 def read_article(path: str) -> str:
-    from pathlib import Path
-
-    from tellkit.errors import TellkitError
-
     p = Path(path)
     if not p.exists():
         raise TellkitError(f"{p}: article not found")
@@ -54,8 +56,7 @@ def read_article(path: str) -> str:
 
 
 def resolve_default(checkpoint: str | None):
-    from tellkit.errors import TellkitError
-    from tellkit.recipes import packaged_default
+    from tellkit.recipes import packaged_default  # heavy
 
     if checkpoint:
         return checkpoint
@@ -67,10 +68,7 @@ def resolve_default(checkpoint: str | None):
 
 
 def run(args) -> int:
-    import json
-
-    from tellkit.encoders.preprocess import load_image
-    from tellkit.errors import TellkitError
+    from tellkit.encoders.preprocess import load_image  # heavy
 
     if (args.beam_size is not None and args.beam_size < 1) or (args.max_len is not None and args.max_len < 1):
         raise TellkitError("--beam-size and --max-len must be at least 1")
@@ -79,7 +77,7 @@ def run(args) -> int:
     article = read_article(args.article) if args.article else ""
     checkpoint = resolve_default(args.checkpoint)
 
-    from tellkit.pipelines.captioning import CaptioningPipeline
+    from tellkit.pipelines.captioning import CaptioningPipeline  # heavy
 
     captioner = CaptioningPipeline.load(checkpoint, device=args.device, beam_size=args.beam_size, max_len=args.max_len)
     result = captioner.caption([(image, article)])[0]
@@ -89,7 +87,5 @@ def run(args) -> int:
     else:
         print(result["caption"])
         if "objects" in result and result["objects"]["count"] == 0:
-            import sys
-
             print(f"note: {result['objects'].get('note', 'the objects context is empty')}", file=sys.stderr)
     return 0

@@ -1,6 +1,8 @@
 """`tellkit convert SRC --out DIR`: import a reference implementation's checkpoint."""
 from __future__ import annotations
 
+from tellkit.errors import TellkitError
+
 NAME = "convert"
 HELP = ("import an official checkpoint (BTTR Lightning .ckpt, Transform and Tell best.th) into a tellkit folder, "
         "or (--to reference) export a tellkit BTTR as a reference .ckpt")
@@ -19,9 +21,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from tellkit.config import parse_overrides
-    from tellkit.convert import convert_checkpoint, export_checkpoint
-    from tellkit.errors import TellkitError
+    from tellkit.config import parse_overrides  # heavy
+    from tellkit.convert import convert_checkpoint, export_checkpoint  # heavy
 
     if args.to == "reference":
         if args.options or args.family:

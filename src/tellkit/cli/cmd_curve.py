@@ -2,6 +2,13 @@
 run's ``eval_log.csv``: JSON (default), a Markdown table, and optionally a PNG plot."""
 from __future__ import annotations
 
+import csv
+import io
+import json
+from pathlib import Path
+
+from tellkit.errors import TellkitError
+
 NAME = "curve"
 HELP = "validation metrics of a training run against epochs (JSON, Markdown table, PNG plot)"
 
@@ -19,11 +26,6 @@ def add_arguments(p) -> None:
 
 def read_eval_log(run) -> list[dict]:
     """Rows of ``RUN/eval_log.csv`` as dicts with int step/epoch and float value."""
-    import csv
-    from pathlib import Path
-
-    from tellkit.errors import TellkitError
-
     path = Path(run) / "eval_log.csv"
     if not path.is_file():
         raise TellkitError(f"{run}: no eval_log.csv (not a `tellkit train` run folder, or not validated yet)")
@@ -43,10 +45,6 @@ def read_eval_log(run) -> list[dict]:
 
 
 def run(args) -> int:
-    import json
-
-    from tellkit.errors import TellkitError
-
     rows = read_eval_log(args.run)
     found = list(dict.fromkeys(r["metric"] for r in rows))
     metrics = args.metric or found
@@ -61,11 +59,8 @@ def run(args) -> int:
             e[r["metric"]] = r["value"]
     table = [evals[s] for s in sorted(evals)]
     if args.png:
-        import io
-        from pathlib import Path
-
-        from tellkit.checkpoint import atomic_write_bytes
-        from tellkit.utils.plot import line_chart
+        from tellkit.checkpoint import atomic_write_bytes  # heavy
+        from tellkit.utils.plot import line_chart  # heavy
 
         series = {m: [(e[args.x], e[m]) for e in table if m in e] for m in metrics}
         img = line_chart(series, title=args.title or Path(args.run).name,

@@ -8,6 +8,8 @@ when it has one (``<name>.txt``). Until a default captioning model is installed,
 tiny model runs instead, and says so."""
 from __future__ import annotations
 
+import json
+
 NAME = "demo"
 HELP = "caption the packaged sample images (and articles) and recognise a handwritten formula with the default models"
 
@@ -20,11 +22,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import json
-
-    from tellkit.encoders.preprocess import load_image
-    from tellkit.pipelines.captioning import CaptioningPipeline
-    from tellkit.recipes import ASSETS, packaged_default
+    from tellkit.encoders.preprocess import load_image  # heavy
+    from tellkit.pipelines.captioning import CaptioningPipeline  # heavy
+    from tellkit.recipes import ASSETS, packaged_default  # heavy
 
     samples = ASSETS / "demo_caption"
     default = packaged_default("caption")
@@ -43,7 +43,7 @@ def run(args) -> int:
     if not reads_articles:
         print("(this model captions from the image alone: the sample articles are not used)")
     if "objects" in captioner.contexts:
-        from tellkit.pipelines.captioning import NO_OBJECT_DETECTOR
+        from tellkit.pipelines.captioning import NO_OBJECT_DETECTOR  # heavy
 
         print(f"(this model reads objects; {NO_OBJECT_DETECTOR})")
     for img in sorted(samples.glob("*.jpg")):
@@ -62,10 +62,8 @@ def run(args) -> int:
 
 def demo_math(args) -> None:
     """The packaged handwritten formula through the default BTTR model (`tellkit recognize`)."""
-    import json
-
-    from tellkit.pipelines.recognition import SAMPLE_LATEX, SAMPLE_PATH, Recognizer
-    from tellkit.recipes import PACKAGED_DEFAULTS
+    from tellkit.pipelines.recognition import SAMPLE_LATEX, SAMPLE_PATH, Recognizer  # heavy
+    from tellkit.recipes import PACKAGED_DEFAULTS  # heavy
 
     rec = Recognizer.load(None, device=args.device)
     print(f"tellkit demo: handwritten math with {PACKAGED_DEFAULTS['math']}")

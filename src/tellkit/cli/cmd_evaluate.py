@@ -7,6 +7,8 @@ overrides change anything else (e.g. ``eval.beam_size=4``). Writes ``metrics_<sp
 """
 from __future__ import annotations
 
+import json
+
 from tellkit.cli import positive_int
 
 NAME = "evaluate"
@@ -27,8 +29,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import json
-
     from tellkit.workflows import evaluate_checkpoint  # heavy
 
     result = evaluate_checkpoint(args.checkpoint, args.split, data=args.data, overrides=args.overrides, out=args.out,

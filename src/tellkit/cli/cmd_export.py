@@ -3,6 +3,10 @@ checkpoint: weights (float16 unless --float32), config and recipe sections, no o
 trainer state. This is how packaged default models are made."""
 from __future__ import annotations
 
+from pathlib import Path
+
+from tellkit.errors import TellkitError
+
 NAME = "export"
 HELP = "write a training checkpoint (or a run's best) as a compact inference checkpoint (float16 weights)"
 
@@ -24,8 +28,6 @@ def add_output_arguments(p) -> None:
 
 
 def notes_from(items: list[str]) -> dict[str, str]:
-    from tellkit.errors import TellkitError
-
     notes = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -36,10 +38,8 @@ def notes_from(items: list[str]) -> dict[str, str]:
 
 
 def run(args) -> int:
-    from pathlib import Path
-
-    from tellkit.checkpoint import resolve_checkpoint
-    from tellkit.training.export import export_checkpoint, write_checkpoint_folder
+    from tellkit.checkpoint import resolve_checkpoint  # heavy
+    from tellkit.training.export import export_checkpoint, write_checkpoint_folder  # heavy
 
     notes = notes_from(args.note)
     src = resolve_checkpoint(args.src)

@@ -13,6 +13,12 @@ folder, or an image list that is not UTF-8 text, is a one-line error.
 """
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+from tellkit.errors import TellkitError
+
 NAME = "features"
 HELP = "pre-compute image grids, face embeddings and article hidden states into shards (resumable)"
 
@@ -58,13 +64,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import json
-    import sys
-    from pathlib import Path
-
-    from tellkit.encoders.bundle import EncodersConfig
-    from tellkit.encoders.features import FeatureConfig, extract_features, items_from_images
-    from tellkit.errors import TellkitError
+    from tellkit.encoders.bundle import EncodersConfig  # heavy
+    from tellkit.encoders.features import FeatureConfig, extract_features, items_from_images  # heavy
 
     check_out(Path(args.out))
     if args.images:
@@ -74,12 +75,12 @@ def run(args) -> int:
     if args.images and (args.root or args.split or args.image_root):
         raise TellkitError("--root/--split/--image-root go with --format, not --images")
     if args.device.startswith("cuda"):
-        import torch
+        import torch  # heavy
 
         if not torch.cuda.is_available():
             raise TellkitError("--device cuda asked for, but no CUDA device is available")
     if args.threads:
-        import torch
+        import torch  # heavy
 
         torch.set_num_threads(args.threads)
     if args.images:
@@ -87,7 +88,7 @@ def run(args) -> int:
         if args.limit:
             items = items[: args.limit]
     else:
-        from tellkit.tasks.captioning import dataset_inputs
+        from tellkit.tasks.captioning import dataset_inputs  # heavy
 
         items = dataset_inputs(args.format, args.root, args.split, args.limit, args.image_root, objects=args.objects)
     if args.article and args.images:
@@ -121,8 +122,6 @@ def run(args) -> int:
 
 def check_out(out) -> None:
     """OUT must be a folder or not exist yet (nor any of its parents be a file)."""
-    from tellkit.errors import TellkitError
-
     for p in (out, *out.parents):
         if p.exists():
             if not p.is_dir():
@@ -133,8 +132,6 @@ def check_out(out) -> None:
 
 def check_image_list(path) -> None:
     """A file given to --images must be a UTF-8 text list of image paths (one per line)."""
-    from tellkit.errors import TellkitError
-
     if not path.is_file():
         return  # a folder, or missing: items_from_images says which
     data = path.read_bytes()

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+from tellkit.errors import TellkitError
 
 NAME = "model-info"
 HELP = "print a model's parameter counts as JSON (CONFIG: YAML recipe, family name, or checkpoint dir)"
@@ -13,18 +16,15 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from pathlib import Path
+    import torch  # heavy
 
-    import torch
-
-    from tellkit.config import parse_overrides, to_dict
-    from tellkit.errors import TellkitError
-    from tellkit.registry import create_model
+    from tellkit.config import parse_overrides, to_dict  # heavy
+    from tellkit.registry import create_model  # heavy
 
     over = parse_overrides(args.overrides)
     over = over.get("model", over)
     if Path(args.config).is_dir():
-        from tellkit.checkpoint import check_config_values, read_checkpoint_config
+        from tellkit.checkpoint import check_config_values, read_checkpoint_config  # heavy
 
         meta = read_checkpoint_config(args.config)
         check_config_values(meta["config"], str(Path(args.config) / "config.json"))

@@ -1,6 +1,10 @@
 """`tellkit recognize IMAGE [IMAGE ...] [--model CKPT] [--json]`: handwritten math -> LaTeX (BTTR)."""
 from __future__ import annotations
 
+import json
+
+from tellkit.errors import TellkitError
+
 NAME = "recognize"
 HELP = "recognise handwritten math expression images and print their LaTeX (BTTR)"
 
@@ -18,10 +22,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import json
-
-    from tellkit.errors import TellkitError
-    from tellkit.pipelines.recognition import Recognizer
+    from tellkit.pipelines.recognition import Recognizer  # heavy
 
     if args.beam_size is not None and args.beam_size < 1:
         raise TellkitError("--beam-size must be >= 1")

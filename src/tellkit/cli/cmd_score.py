@@ -12,6 +12,11 @@ Captions (``--metrics caption``): coco-caption BLEU-1..4, METEOR, ROUGE-L, CIDEr
 """
 from __future__ import annotations
 
+import json
+
+from tellkit.cli import read_text_file
+from tellkit.errors import TellkitError
+
 NAME = "score"
 HELP = "score predictions against references with ROUGE, Content F1 (summaries) or caption metrics (JSON)"
 METRIC_GROUPS = ("rouge", "content_f1", "caption")
@@ -29,8 +34,6 @@ def add_arguments(p) -> None:
 
 
 def _lines(path: str, what: str) -> list[str]:
-    from tellkit.cli import read_text_file
-
     lines = read_text_file(path, what).split("\n")
     if lines and lines[-1] == "":
         lines.pop()
@@ -38,10 +41,6 @@ def _lines(path: str, what: str) -> list[str]:
 
 
 def run(args) -> int:
-    import json
-
-    from tellkit.errors import TellkitError
-
     metrics = [m for item in (args.metrics or ["rouge", "content_f1"]) for m in item.split(",") if m]
     unknown = sorted(set(metrics) - set(METRIC_GROUPS))
     if unknown or not metrics:
@@ -60,11 +59,11 @@ def run(args) -> int:
     notes: dict[str, str] = {}
     summary_groups = [m for m in metrics if m in ("rouge", "content_f1")]
     if summary_groups:
-        from tellkit.metrics.summarization import score_summaries
+        from tellkit.metrics.summarization import score_summaries  # heavy
 
         alignments = None
         if args.alignments:
-            from tellkit.metrics.content_f1 import read_alignment_file
+            from tellkit.metrics.content_f1 import read_alignment_file  # heavy
 
             alignments = read_alignment_file(args.alignments)
         scores = score_summaries(preds, refs[0], summary_groups, alignments=alignments)
@@ -78,7 +77,7 @@ def run(args) -> int:
         if len(refs) > 1:
             notes["references"] = "ROUGE and Content F1 score against the first --references file only"
     if "caption" in metrics:
-        from tellkit.metrics.caption import score_captions
+        from tellkit.metrics.caption import score_captions  # heavy
 
         ids = [str(i) for i in range(len(preds))]
         cap = score_captions(dict(zip(ids, preds)), {i: [r[k] for r in refs] for k, i in enumerate(ids)})

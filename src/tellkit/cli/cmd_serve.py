@@ -2,6 +2,11 @@
 the HTTP JSON API and the demo page (see docs/server.md)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+from tellkit.errors import TellkitError
+
 NAME = "serve"
 HELP = "serve the captioning / handwritten-math API and demo page over HTTP (localhost by default)"
 
@@ -41,8 +46,6 @@ def add_arguments(p) -> None:
 
 
 def parse_checkpoints(values: list[str]) -> dict[str, str]:
-    from tellkit.errors import TellkitError
-
     out: dict[str, str] = {}
     for v in values:
         name, sep, path = v.partition("=")
@@ -58,10 +61,7 @@ def plan(args) -> dict[str, str | None]:
     """Which model each served endpoint gets: a checkpoint folder, or None for a tiny random
     model (``--untrained``, only for endpoints without ``--checkpoint``). Without ``--untrained``
     an endpoint with no ``--checkpoint`` gets the packaged default, which must be installed."""
-    from pathlib import Path
-
-    from tellkit.errors import TellkitError
-    from tellkit.recipes import PACKAGED_DEFAULTS, packaged_default
+    from tellkit.recipes import PACKAGED_DEFAULTS, packaged_default  # heavy
 
     wanted = [m for m in ("caption", "math") if m in {x.strip() for x in args.models.split(",")}]
     bad = {x.strip() for x in args.models.split(",") if x.strip()} - {"caption", "math"}
@@ -91,7 +91,7 @@ def plan(args) -> dict[str, str | None]:
 
 def load_backends(args) -> tuple[object | None, object | None]:
     """Load each requested model once, before the server starts (a failure stops start-up)."""
-    from tellkit.server.backends import BTTRMathRecognizer, ImageCaptioner
+    from tellkit.server.backends import BTTRMathRecognizer, ImageCaptioner  # heavy
 
     chosen = plan(args)
     captioner = recognizer = None
@@ -107,16 +107,13 @@ def load_backends(args) -> tuple[object | None, object | None]:
 
 
 def run(args) -> int:
-    import sys
-
-    from tellkit.errors import TellkitError
-    from tellkit.server.limits import Limits
-    from tellkit.utils.optional import require
+    from tellkit.server.limits import Limits  # heavy
+    from tellkit.utils.optional import require  # heavy
 
     require("fastapi", "server", "tellkit serve")
     require("uvicorn", "server", "tellkit serve")
-    from tellkit.server.app import check_static, create_app
-    from tellkit.server.runner import serve
+    from tellkit.server.app import check_static, create_app  # heavy
+    from tellkit.server.runner import serve  # heavy
 
     if not 0 <= args.port <= 65535:
         raise TellkitError(f"--port {args.port}: out of range")
@@ -137,7 +134,7 @@ def run(args) -> int:
     if not args.api_only:
         check_static()  # fail before loading models, not after
     if args.threads:
-        import torch
+        import torch  # heavy
 
         torch.set_num_threads(args.threads)
     captioner, recognizer = load_backends(args)

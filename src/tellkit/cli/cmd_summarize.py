@@ -3,6 +3,13 @@ summary from a transcript and its video features with a trained VG-BART / VG-T5 
 model, which needs no --features). The work is ``tellkit.pipelines.summarization.Summarizer``."""
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+from tellkit.cli import read_text_file
+from tellkit.errors import TellkitError
+
 NAME = "summarize"
 DEFAULT_RUN = "runs/how2_bart"
 HELP = "summarize a video transcript (+ video features .npy) with a trained VG-BART / VG-T5 checkpoint"
@@ -21,13 +28,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import json
-    import sys
-    from pathlib import Path
-
-    from tellkit.cli import read_text_file
-    from tellkit.errors import TellkitError
-    from tellkit.pipelines.summarization import Summarizer
+    from tellkit.pipelines.summarization import Summarizer  # heavy
 
     tpath = Path(args.transcript)
     transcript = read_text_file(tpath, "--transcript")

@@ -19,6 +19,16 @@ by all rows of the run.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from tellkit.errors import TellkitError
+
 NAME = "table"
 HELP = "train + evaluate several recipes on one data set and print a results table (Markdown + JSON)"
 
@@ -81,9 +91,6 @@ def _task(recipe):
 
 def feature_key(recipe) -> str:
     """Rows with equal encoders, contexts and data (but for the cache folder) share features."""
-    import hashlib
-    import json
-
     data = {k: v for k, v in (recipe.get("data") or {}).items() if k != "features"}
     what = {"encoders": recipe.get("encoders") or {}, "contexts": (recipe.get("model") or {}).get("contexts"),
             "data": data}
@@ -91,10 +98,6 @@ def feature_key(recipe) -> str:
 
 
 def run_row(path, args, log) -> dict:
-    import json
-    import time
-    from pathlib import Path
-
     from tellkit.checkpoint import atomic_write_json  # heavy
     from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path  # heavy
     from tellkit.errors import TellkitError  # heavy
@@ -131,7 +134,6 @@ def run_row(path, args, log) -> dict:
     if (run_dir / "checkpoints").exists():
         if not args.rerun:
             raise TellkitError(f"{run_dir} holds an unfinished row: pass --rerun, or remove the folder")
-        import shutil
 
         shutil.rmtree(run_dir)
     t0 = time.time()
@@ -190,15 +192,10 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
-    import json
-    import sys
-    from pathlib import Path
-
-    from tellkit.checkpoint import atomic_write_bytes, atomic_write_json
-    from tellkit.errors import TellkitError
+    from tellkit.checkpoint import atomic_write_bytes, atomic_write_json  # heavy
 
     if args.threads:
-        import torch
+        import torch  # heavy
 
         torch.set_num_threads(int(args.threads))
     if args.budget is not None and args.budget < 1:
@@ -219,7 +216,6 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
-    import shlex
 
     command = ("tellkit " + " ".join(shlex.quote(a) for a in sys.argv[1:])) if sys.argv[1:2] == ["table"] else None
     atomic_write_json(out / "table.json", {"split": args.split, "budget": args.budget, "overrides": args.overrides,

@@ -4,6 +4,12 @@ Multi-GPU / multi-process: ``torchrun --nproc_per_node N -m tellkit train CONFIG
 """
 from __future__ import annotations
 
+import argparse
+import json
+import math
+import os
+from pathlib import Path
+
 from tellkit.cli import positive_int
 
 NAME = "train"
@@ -11,9 +17,6 @@ HELP = "train a model from a YAML recipe (key=value overrides, e.g. train.lr=3e-
 
 
 def _minutes(text: str) -> float:
-    import argparse
-    import math
-
     try:
         value = float(text)
     except ValueError:
@@ -24,8 +27,6 @@ def _minutes(text: str) -> float:
 
 
 def _count(text: str) -> int:
-    import argparse
-
     try:
         value = int(text)
     except ValueError:
@@ -53,10 +54,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import json
-    from pathlib import Path
-
-    from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path
+    from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path  # heavy
     from tellkit.workflows import train_recipe  # heavy
 
     path = resolve_config_path(args.config)
@@ -72,7 +70,6 @@ def run(args) -> int:
         keep_checkpoints=args.keep_checkpoints,
         progress=not args.no_progress,
     )
-    import os
 
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(summary, indent=2))

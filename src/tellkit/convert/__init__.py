@@ -20,10 +20,12 @@ executes its code.
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import pickle
 import zipfile
 from collections import OrderedDict
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +144,7 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     dict, or a safetensors file."""
     p = Path(path)
     if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # heavy
 
         try:
             return load_file(str(p))
@@ -202,9 +204,6 @@ def _is_buffer(model: torch.nn.Module, key: str) -> bool:
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the tellkit checkpoint folder ``src`` as the reference implementation's checkpoint
     file ``out`` (a PyTorch pickle of tensors and plain values, as the reference loads it)."""
-    import io
-    from dataclasses import asdict
-
     src, out = Path(src), Path(out)
     if out.exists():
         raise TellkitError(f"{out}: exists (nothing was written)")

@@ -229,7 +229,7 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
     scaling, shrink to at most this many pixels; ``min_pen``: strokes thinner than this many
     pixels after scaling (a fine pen, or a large scan shrunk) are first thickened to it;
     ``margin``: background pixels added on every side at the end (as renders have)."""
-    from PIL import Image
+    from PIL import Image  # heavy
 
     if image is None:
 
@@ -286,7 +286,7 @@ def render_square(strokes: Sequence[Sequence[tuple[float, float]]], size: int = 
                   width: int = 2):
     """Draw pen strokes (lists of (x, y) points, y down) like the shared CROHME renders: black
     ink on a white ``size`` x ``size`` square, the expression scaled to fit and centred."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # heavy
 
     pts = [p for s in strokes for p in s]
     if not pts:

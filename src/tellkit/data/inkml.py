@@ -270,7 +270,7 @@ def stroke_scale(strokes: Sequence[np.ndarray]) -> float:
 
 def render_strokes(strokes: Iterable, config: RenderConfig | None = None):
     """Strokes (sequences of (x, y) points, y down) -> a PIL ``L`` image, black ink on white."""
-    from PIL import Image, ImageDraw
+    from PIL import Image, ImageDraw  # heavy
 
     c = config or RenderConfig()
     arrs = _as_arrays(strokes)
@@ -342,7 +342,7 @@ class RenderCache:
     def get(self, src: Path, rel: str, strokes_fn):
         """The cached render of ``src`` (``rel``: its path relative to the data root), or a
         new one from ``strokes_fn()``, written atomically."""
-        from PIL import Image
+        from PIL import Image  # heavy
 
         png, meta = self._paths(src, rel)
         st = src.stat()

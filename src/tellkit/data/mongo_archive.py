@@ -52,7 +52,7 @@ def _double_array(buf: bytes, i: int, end: int) -> list[float] | None:
     """The elements ``buf[i:end-1]`` of an array as floats when every one is a double with the
     key mongodump writes ("0", "1", ...); None otherwise (the caller decodes element by element).
     One numpy pass instead of a Python step per number: object vectors are 2048 doubles each."""
-    import numpy as np
+    import numpy as np  # heavy
 
     size = end - 1 - i
     offsets, pos, k, digits = [], 0, 0, 1

@@ -18,6 +18,7 @@ the objects context. No object detector ships, so a new image's objects context 
 from __future__ import annotations
 
 import functools
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -226,7 +227,6 @@ class EncoderBundle:
         """float[N, C] per image (remembered in ``memo`` when there is one)."""
         if self.memo is None:
             return list(self.image_encoder.encode(pils)[0].float().cpu())
-        import hashlib
 
         c = self.config
         keys = [("image", c.image, c.image_weights, c.image_fit, p.size, p.mode, hashlib.sha1(p.tobytes()).hexdigest())

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from tellkit.encoders.bundle import FACE_DIM, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.encoders.preprocess import ImageLoadError, load_image
@@ -125,7 +126,7 @@ def _shard_path(out: Path, k: int) -> Path:
 
 
 def _read_meta(path: Path) -> dict | None:
-    from safetensors import safe_open
+    from safetensors import safe_open  # heavy
 
     try:
         with safe_open(str(path), "pt") as f:
@@ -208,8 +209,7 @@ def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, c
                      *, overwrite: bool = False, progress: bool = True,
                      log: Callable[[str], None] | None = None) -> dict:
     """Encode ``items`` into shards under ``out_dir`` (resuming a previous run); returns the summary."""
-    from safetensors.torch import save_file
-    from tqdm import tqdm
+    from safetensors.torch import save_file  # heavy
 
     cfg = cfg or FeatureConfig()
     if cfg.shard_size < 1 or cfg.batch_size < 1:
@@ -316,7 +316,7 @@ class FeatureStore:
         return list(self._where)
 
     def __getitem__(self, item_id: str) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
+        from safetensors import safe_open  # heavy
 
         if item_id not in self._where:
             raise KeyError(item_id)

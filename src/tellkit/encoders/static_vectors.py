@@ -219,14 +219,14 @@ def _local_input_embeddings(path: str) -> torch.Tensor | None:
     f = Path(path) / "model.safetensors"
     if not f.is_file():
         return None
-    from safetensors import safe_open
+    from safetensors import safe_open  # heavy
 
     with safe_open(str(f), framework="pt") as st:
         keys = [k for k in st.keys() if k.endswith(("word_embeddings.weight", "embed_tokens.weight", "shared.weight"))]
         return st.get_tensor(sorted(keys, key=len)[0]).float() if keys else None
 
 def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy
 
     try:
         return AutoTokenizer.from_pretrained(path)

@@ -31,6 +31,7 @@ offline tokenizer, so that decode(encode(text)) == text always holds.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import os
@@ -64,10 +65,8 @@ def byte_to_unicode() -> dict[int, str]:
 
 def _blingfire_token_bytes(i2w_path: Path) -> list[bytes | None]:
     """Raw UTF-8 bytes of every RoBERTa id as blingfire's ``roberta.i2w`` stores them."""
-    import ctypes
-
-    import blingfire
-    import numpy as np
+    import blingfire  # heavy
+    import numpy as np  # heavy
 
     lib = blingfire.blingfire  # the loaded C library (the Python wrapper decodes as text)
     handle = blingfire.load_model(str(i2w_path))
@@ -114,7 +113,7 @@ def rebuild_roberta_vocab() -> tuple[dict[str, int], list[tuple[str, str]], dict
 
 
 def _offline_backend():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # heavy
 
     vocab, merges, stats = rebuild_roberta_vocab()
     if stats["recovered"] != ROBERTA_VOCAB_SIZE:  # pragma: no cover - would mean a changed package
@@ -160,7 +159,7 @@ class CaptionTokenizer:
         (a hub name such as ``roberta-large``, or a local folder with vocab.json + merges.txt)."""
         if name_or_path is None:
             return _offline()
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy
 
         try:
             hf = AutoTokenizer.from_pretrained(str(name_or_path))
@@ -224,7 +223,7 @@ class CaptionTokenizer:
         another tokenizer's tokens (e.g. an article encoder's offsets), the caption id of the
         :meth:`word_pieces` piece starting at ``start``; -1 for none, empty spans and padding.
         This is how the copy head learns which caption id copying an article token emits."""
-        import torch
+        import torch  # heavy
 
         L = max((len(s) for s in spans), default=0)
         out = torch.full((len(texts), L), -1, dtype=torch.long)

@@ -98,14 +98,14 @@ def read_state_dict(path, what: str = "weights") -> dict:
     """Tensors from a user's file: ``.safetensors``, or a torch file read with
     ``weights_only=True`` (never runs pickled code). A checkpoint wrapping the tensors under
     ``state_dict`` / ``model`` is unwrapped and a DataParallel ``module.`` prefix is dropped."""
-    import torch
+    import torch  # heavy
 
     p = Path(path)
     if not p.is_file():
         raise TellkitError(f"{what}: weights file not found: {p}")
     try:
         if p.suffix == ".safetensors":
-            from safetensors.torch import load_file
+            from safetensors.torch import load_file  # heavy
 
             sd = load_file(str(p))
         else:
@@ -144,8 +144,8 @@ def load_hf_encoder(name_or_path: str):
     """(fast tokenizer, model) of a Hugging Face text encoder by hub name or local folder; one
     TellkitError line when it cannot be loaded or has no fast tokenizer (character offsets are
     needed). Shared by the article encoder and the static word-vector tables."""
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoModel, AutoTokenizer  # heavy
+    from transformers.utils import logging as hf_logging  # heavy
 
     hf_logging.disable_progress_bar()
     try:

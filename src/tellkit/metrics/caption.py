@@ -96,7 +96,7 @@ def score_captions_detailed(
             per[i][name] = 100.0 * float(v)
 
     if "bleu" in metrics:
-        from pycocoevalcap.bleu.bleu import Bleu
+        from pycocoevalcap.bleu.bleu import Bleu  # optional
 
         totals, each = Bleu(4).compute_score(gts, res, verbose=0)
         for n in range(4):
@@ -104,7 +104,7 @@ def score_captions_detailed(
     if "meteor" in metrics:
         put("meteor", *_meteor(gts, res))
     if "rouge" in metrics:
-        from pycocoevalcap.rouge.rouge import Rouge
+        from pycocoevalcap.rouge.rouge import Rouge  # optional
 
         r_res, r_gts = res, {i: gts[i] for i in ids}  # scored in the order of ``ids``
         if normalize_text and rouge_whitespace == "reference":
@@ -115,7 +115,7 @@ def score_captions_detailed(
             r_gts = {i: [case(strip_punctuation(r)) for r in refs_by_id[i]] for i in ids}
         put("rouge_l", *Rouge().compute_score(r_gts, r_res))
     if "cider" in metrics:
-        from pycocoevalcap.cider.cider import Cider
+        from pycocoevalcap.cider.cider import Cider  # optional
 
         put("cider", *Cider().compute_score(gts, res))
     return corpus, per
@@ -133,7 +133,7 @@ def score_captions(predictions: Mapping[str, str], references: Mapping[str, Iter
 def _meteor(gts, res):
     if shutil.which("java") is None:
         raise TellkitError("METEOR needs Java (a `java` on PATH); install a JRE, or leave 'meteor' out of the metrics")
-    from pycocoevalcap.meteor.meteor import Meteor
+    from pycocoevalcap.meteor.meteor import Meteor  # optional
 
     # the jar reads one line per request: keep hypotheses non-empty and free of its separator
     res = {k: [v[0].replace("|||", "") or "<empty>"] for k, v in res.items()}

@@ -481,7 +481,7 @@ def save_tiny_backbone(
     """Write a randomly initialised tiny BART or T5 and a word-level tokenizer trained on
     ``texts`` to ``directory`` (HF ``save_pretrained`` layout), usable as ``model.backbone``."""
     transformers = _transformers()
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers  # heavy
 
     if kind == "bart":
         specials = ["<s>", "<pad>", "</s>", "<unk>"]

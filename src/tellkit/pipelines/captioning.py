@@ -123,7 +123,7 @@ class CaptioningPipeline:
     def untrained(cls, seed: int = 0, device: str = "cpu") -> CaptioningPipeline:
         """A tiny randomly initialised Transform and Tell over the real offline encoders: the
         page and the API work end to end, but the captions are noise (``info.trained`` is false)."""
-        import torch
+        import torch  # heavy
 
         contexts = ("image", "article", "faces")
         torch.manual_seed(seed)
@@ -137,7 +137,7 @@ class CaptioningPipeline:
     # -- inference ----------------------------------------------------------------------------
     def caption(self, items: Sequence[tuple[Any, str]]) -> list[dict[str, Any]]:
         """``[(PIL image, article text), ...]`` -> one result each (see the module docstring)."""
-        import torch
+        import torch  # heavy
 
         inputs = [article_input(a if self.reads_articles else "", image=im) for im, a in items]
         encoded = self.bundle.encode(inputs, details=True)

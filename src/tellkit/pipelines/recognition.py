@@ -83,7 +83,7 @@ class Recognizer:
         return load_image(image=item, max_pixels=MAX_INPUT_PIXELS, **kw)
 
     def search(self, tensors, **kw):
-        import torch
+        import torch  # heavy
 
         dev = next(self.model.parameters()).device
         b = collate([{"image": t, "labels": [], "id": str(i), "tokens": []} for i, t in enumerate(tensors)])
@@ -120,7 +120,7 @@ class BTTRMathRecognizer:
 
     @classmethod
     def untrained(cls, seed: int = 0, device: str = "cpu") -> BTTRMathRecognizer:
-        import torch
+        import torch  # heavy
 
         torch.manual_seed(seed)
         model = create_model("bttr/tiny").eval().to(device)

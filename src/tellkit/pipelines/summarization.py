@@ -31,7 +31,7 @@ class Summarizer:
 
     def __init__(self, model: Any, tokenizer: Any, data: Any, generation: Any, info: dict[str, Any],
                  device: Any = "cpu"):
-        import torch
+        import torch  # heavy
 
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -44,7 +44,7 @@ class Summarizer:
     def load(cls, checkpoint: str | os.PathLike, device: str = "cpu", **generation: Any) -> Summarizer:
         """``generation``: overrides of the stored decoding settings (``beam_size``, ``max_len``,
         ``min_len``, ``no_repeat_ngram_size``, ``length_penalty``; None keeps the stored value)."""
-        import torch
+        import torch  # heavy
 
         ckpt = resolve_checkpoint(checkpoint)
         meta = read_checkpoint_config(ckpt)
@@ -70,8 +70,8 @@ class Summarizer:
     def summarize(self, transcript: str, features: Any = None) -> dict[str, Any]:
         """One summary. ``features``: a ``.npy`` path or a float array [T, video_dim]; needed
         when the model fuses video, ignored (``video_ignored``: true) when it is text-only."""
-        import numpy as np
-        import torch
+        import numpy as np  # heavy
+        import torch  # heavy
 
         transcript = " ".join(str(transcript).split())
         if not transcript:

@@ -18,9 +18,12 @@ per-request timeout. docs/server.md lists every limit and code.
 # no `from __future__ import annotations`: FastAPI reads the route signatures, whose types are
 # imported lazily inside create_app.
 import asyncio
+import codecs
 import contextlib
 import inspect
+import json
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,7 +58,7 @@ class _FormScanner:
     A broken body is left to the app's parser to report."""
 
     def __init__(self, boundary: bytes, max_chars: int):
-        from python_multipart.multipart import MultipartParser
+        from python_multipart.multipart import MultipartParser  # optional
 
         self.max_chars, self.error, self.broken = max_chars, None, False
         self._reset()
@@ -91,9 +94,7 @@ class _FormScanner:
         self.field, self.value = b"", b""
 
     def _headers_finished(self):
-        import codecs
-
-        from python_multipart.multipart import parse_options_header
+        from python_multipart.multipart import parse_options_header  # optional
 
         _, options = parse_options_header(self.disposition)
         self.name = options.get(b"name", b"").decode("utf-8", "replace")
@@ -137,7 +138,7 @@ class _Body:
         self.discard_rest = False
         self.scanner = None
         if content_type and content_type.split(b";")[0].strip().lower() == b"multipart/form-data":
-            from python_multipart.multipart import parse_options_header
+            from python_multipart.multipart import parse_options_header  # optional
 
             boundary = parse_options_header(content_type)[1].get(b"boundary")
             if boundary:
@@ -200,8 +201,6 @@ class _Body:
             self.done = not msg.get("more_body", False)
 
 async def _send_error(send, err: RequestError):
-    import json
-
     body = json.dumps({"error": err.code, "detail": err.message}).encode()
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -280,11 +279,11 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
 
     fastapi = require("fastapi", "server", "tellkit serve")
     require("python_multipart", "server", "file uploads (python-multipart)")
-    from fastapi import File, Form, UploadFile
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import FileResponse, JSONResponse
-    from fastapi.staticfiles import StaticFiles
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from fastapi import File, Form, UploadFile  # optional
+    from fastapi.exceptions import RequestValidationError  # optional
+    from fastapi.responses import FileResponse, JSONResponse  # optional
+    from fastapi.staticfiles import StaticFiles  # optional
+    from starlette.exceptions import HTTPException as StarletteHTTPException  # optional
 
     limits = limits or Limits()
     if serve_page:
@@ -379,7 +378,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         # file (on disk past 1 MiB), not copied into memory first.
         return await asyncio.wrap_future(decoders.submit(prepare, upload, max_side))
 
-    from pydantic import BaseModel
+    from pydantic import BaseModel  # optional
 
     class ErrorBody(BaseModel):
         error: str
@@ -483,9 +482,6 @@ MAX_STROKES, MAX_POINTS = 2_000, 100_000
 def parse_strokes(text: str):
     """The drawing pad's JSON strokes -> :class:`tellkit.pipelines.recognition.Strokes` (rendered by
     the same renderer as the model's InkML training data), or a 422 with what is wrong."""
-    import json
-    import math
-
     try:
         data = json.loads(text)
     except ValueError:

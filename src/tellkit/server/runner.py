@@ -16,6 +16,9 @@ import json
 import socket
 import threading
 import time
+import urllib.error
+import urllib.request
+import uuid
 
 from tellkit.server.limits import Limits
 
@@ -35,8 +38,8 @@ def _raw_json_response(status: int, reason: str, code: str, detail: str) -> byte
 
 def protocol_class(header_timeout_s: float):
     """uvicorn's h11 protocol with a header timeout and JSON protocol errors."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    import h11  # optional
+    from uvicorn.protocols.http.h11_impl import H11Protocol  # optional
 
     class GuardedH11Protocol(H11Protocol):
         _header_timer = None
@@ -89,20 +92,20 @@ def protocol_class(header_timeout_s: float):
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, limits=None, **kwargs):
     """A ``uvicorn.Config`` for ``app`` with tellkit's protocol (header timeout from ``limits``,
     else the app's ``state.limits``, else the defaults)."""
-    import uvicorn
+    import uvicorn  # optional
 
     limits = limits or getattr(getattr(app, "state", None), "limits", None) or Limits()
     return uvicorn.Config(app, host=host, port=port, http=protocol_class(limits.header_timeout_s), **kwargs)
 
 def serve(app, host: str, port: int, limits=None, log_level: str = "info") -> None:
     """Run until interrupted (``tellkit serve``)."""
-    import uvicorn
+    import uvicorn  # optional
 
     uvicorn.Server(uvicorn_config(app, host, port, limits, log_level=log_level, timeout_graceful_shutdown=5)).run()
 
 class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 30.0):
-        import uvicorn
+        import uvicorn  # optional
 
         if host not in LOOPBACK:
             raise ValueError("ServerThread binds loopback only")
@@ -130,8 +133,6 @@ class ServerThread:
 def encode_multipart(fields: dict[str, str] | None = None,
                      files: dict[str, tuple[str, bytes, str]] | None = None) -> tuple[bytes, str]:
     """-> (body, content type) of a multipart/form-data request (standard library only)."""
-    import uuid
-
     boundary = uuid.uuid4().hex
     parts = []
     for name, value in (fields or {}).items():
@@ -145,10 +146,6 @@ def encode_multipart(fields: dict[str, str] | None = None,
 
 def post(url: str, fields=None, files=None, timeout: float = 60.0) -> tuple[int, dict]:
     """POST a multipart form -> (status, parsed JSON body); never raises for HTTP error statuses."""
-    import json
-    import urllib.error
-    import urllib.request
-
     body, ctype = encode_multipart(fields, files)
     req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": ctype})
     try:

@@ -66,8 +66,8 @@ class DamagedCheckpoint(TellkitError):
 
 
 def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError  # heavy
+    from safetensors.torch import load_file  # heavy
 
     if not path.is_file():
         raise DamagedCheckpoint(f"{path.name} missing")
@@ -93,7 +93,7 @@ def _check_finite(tensors: dict[str, torch.Tensor], file: str) -> None:
 
 # --- optimizer state: tensors -> safetensors, the rest -> JSON --------------------------------
 def save_optimizer(optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    from safetensors.torch import save
+    from safetensors.torch import save  # heavy
 
     sd = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
@@ -141,7 +141,7 @@ def _apply_optimizer(optimizer: torch.optim.Optimizer, sd: dict[str, Any], direc
 
 # --- random number generators -----------------------------------------------------------------
 def save_rng(directory: Path, rank: int) -> None:
-    from safetensors.torch import save
+    from safetensors.torch import save  # heavy
 
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():

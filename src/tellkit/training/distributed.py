@@ -5,6 +5,7 @@ Single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``): every helper is a no-op.
 """
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +87,6 @@ def teardown(info: DistInfo) -> None:
         # every rank reaches this point before any rank tears its transport down: a rank that
         # destroys the group while a peer still talks to it can abort the peer (gloo:
         # "terminate called without an active exception", SIGABRT after all work was done)
-        import gc
 
         gc.collect()  # free DDP reducers / pending work kept alive by reference cycles while Python is whole
         dist.barrier()

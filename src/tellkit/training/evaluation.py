@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
 from tellkit.checkpoint import atomic_write_bytes, atomic_write_json
 from tellkit.errors import TellkitError
@@ -88,8 +89,6 @@ def run_eval(
     ntok = torch.zeros((), dtype=torch.float64, device=dist.device)
     preds: list[tuple[int, list[dict[str, Any]]]] = []
     if progress and dist.is_main:
-        from tqdm.auto import tqdm
-
         it = tqdm(loader, total=len(mine), desc=f"eval {split}", dynamic_ncols=True, leave=False)
     else:
         it = loader

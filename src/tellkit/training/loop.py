@@ -24,10 +24,13 @@ Explicit choices:
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import os
+import random
 import signal
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 import yaml
+from tqdm.auto import tqdm
 
 from tellkit.checkpoint import load_weights_into
 from tellkit.config import check_recipe_sections, to_dict
@@ -153,8 +157,6 @@ def epoch_batches(task: Task, dataset, cfg: TrainConfig, epoch: int, world: int)
 def batch_plan_digest(batches: list[list[int]]) -> str:
     """A short digest of an epoch's batches, saved with the state so a resume can tell whether it
     continues the same order."""
-    import hashlib
-
     flat = [[int(i) for i in b] for b in batches]
     return hashlib.sha1(json.dumps(flat, separators=(",", ":")).encode()).hexdigest()[:16]
 
@@ -182,7 +184,7 @@ class _CsvLog:
 
 def _tensorboard(run_dir: Path, log):
     try:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional
     except ImportError:
         log("TensorBoard is not installed (pip install 'tellkit[train]'): logging to CSV only")
         return None
@@ -196,8 +198,6 @@ class _StopSignal:
         self._old: dict[int, Any] = {}
 
     def __enter__(self):
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
@@ -213,9 +213,7 @@ class _StopSignal:
             signal.signal(sig, old)
 
 def _seed_all(seed: int) -> None:
-    import random
-
-    import numpy as np
+    import numpy as np  # heavy
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -393,7 +391,7 @@ class Trainer:
             self.log(f"resumed from {where} (step {st.step}, epoch {st.epoch}, batch {st.pos})")
         self.ddp_model = self.model
         if dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.nn.parallel import DistributedDataParallel as DDP  # heavy
 
             ids = [dist.device.index] if dist.device.type == "cuda" else None
             self.ddp_model = DDP(self.model, device_ids=ids,
@@ -462,8 +460,6 @@ class Trainer:
         it = iter(loader)
         bar = None
         if self.progress and dist.is_main:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=math.ceil(len(batches) / dist.world / cfg.accumulate),
                        initial=st.pos // dist.world // cfg.accumulate, desc=f"epoch {st.epoch}", dynamic_ncols=True)
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,7 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
     """``source``: a path, the file's bytes, or a binary file object. ``mode``: "RGB" or "L".
     ``max_side``: shrink (never enlarge) so the longer side is at most this. ``formats``: PIL
     format names accepted (None: any format PIL can read). Raises :class:`ImageError`."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # heavy
 
     if mode not in ("RGB", "L"):
         raise ValueError(f"mode must be 'RGB' or 'L', got {mode!r}")
@@ -122,7 +123,6 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
     except UnidentifiedImageError:
         raise ImageError(f"{where}not an image (or a format PIL cannot read)", "not an image") from None
     except Image.DecompressionBombError as exc:  # PIL's own guard, at twice Image.MAX_IMAGE_PIXELS
-        import re
 
         found = re.search(r"\((\d+) pixels\)", str(exc))
         n = f"{int(found.group(1)):,} pixels" if found else "too many pixels"
@@ -193,7 +193,7 @@ def _target(size, max_side: int | None):
 def _decode_small(img, mode: str, max_side: int | None):
     """Decode the first frame, then convert and box-reduce it strip by strip (so no full-size
     copy is made in another mode, premultiplied or as floats), then bilinear to the exact size."""
-    from PIL import Image
+    from PIL import Image  # heavy
 
     target = _target(img.size, max_side)
     if target is not None and img.format == "JPEG":
@@ -222,8 +222,8 @@ def _convert(img, mode: str, extrema=None):
     """Any PIL mode -> ``mode`` ("RGB" or "L"): transparency over white; high bit depth rescaled
     linearly from ``extrema`` (the whole image's min, max) to 0..255 in float32 (as
     :func:`tellkit.encoders.preprocess.to_rgb` does for whole images)."""
-    import numpy as np
-    from PIL import Image
+    import numpy as np  # heavy
+    from PIL import Image  # heavy
 
     if img.mode == mode:
         return img

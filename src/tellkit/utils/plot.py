@@ -33,7 +33,7 @@ def _label(v: float) -> str:
 def line_chart(series: dict[str, list[tuple[float, float]]], *, title: str = "", xlabel: str = "",
                ylabel: str = "", size: tuple[int, int] = (760, 440)):
     """A PIL image with one line (and point markers) per series of (x, y) points."""
-    from PIL import Image, ImageDraw, ImageFont
+    from PIL import Image, ImageDraw, ImageFont  # heavy
 
     points = [p for pts in series.values() for p in pts]
     if not points:

@@ -114,6 +114,7 @@ def test_pipeline_uses_the_checkpoint_generation_settings(tmp_path, monkeypatch)
     model.save_pretrained(tmp_path / "ck", extra={"task": "captioning", "eval": {"beam_size": 3, "max_len": 5},
                                                   "data": {"context": "none"}})
     made = []
+
     def fake(recipe, cfg, dev):
         made.append(recipe["data"]["context"])
         return FakeBundle(recipe.get("encoders"), cfg.contexts)

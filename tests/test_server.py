@@ -404,7 +404,6 @@ def test_load_benchmark_counts_requests_errors_and_percentiles():
     assert res["bad_requests"] == {"sent": 4, "answered_expected_4xx": 4}
 
 
-
 def test_large_images_are_shrunk_and_the_original_size_reported():
     app = create_app(None, SlowEcho(delay=0.0), Limits(math_max_side=50), serve_page=False)
     with TestClient(app) as c:

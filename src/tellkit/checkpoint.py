@@ -52,6 +52,7 @@ def max_model_bytes() -> int:
     except ValueError as exc:
         raise TellkitError(f"TELLKIT_MAX_MODEL_BYTES must be a number of bytes, got {raw!r}") from exc
 
+
 # --- fault injection (tests kill a real process at a named phase of a save) ------------------
 FAULT_ENV = "TELLKIT_FAULT"  # "<save number>:<phase>", e.g. "3:renamed" or "2:write:model.safetensors"
 _save_number = 0
@@ -62,11 +63,13 @@ def begin_save() -> None:
     global _save_number
     _save_number += 1
 
+
 def fault_point(phase: str) -> None:
     """SIGKILL this process when ``TELLKIT_FAULT`` names this phase of the current save."""
     spec = os.environ.get(FAULT_ENV)
     if spec and spec == f"{_save_number}:{phase}":
         os.kill(os.getpid(), signal.SIGKILL)
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
@@ -81,8 +84,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
+
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
 
 def device_of(spec: str | torch.device | None) -> torch.device:
     """``cpu``, ``cuda``, ``cuda:N`` (or ``mps``) as a usable device, else a one-line error."""
@@ -107,6 +112,7 @@ def device_of(spec: str | torch.device | None) -> torch.device:
         raise TellkitError(f"unsupported device {spec!s} (use cpu, cuda or cuda:N)")
     return dev
 
+
 def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """State dict with each shared storage kept once (first name wins), contiguous."""
     seen: dict[tuple, str] = {}
@@ -118,6 +124,7 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
         seen[key] = name
         out[name] = t.detach().contiguous()
     return out
+
 
 def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, Any] | None = None,
                dtype: torch.dtype | None = None) -> Path:
@@ -146,9 +153,11 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
     atomic_write_json(d / CONFIG_NAME, meta)
     return d
 
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
 
 def _json_depth(obj: Any) -> int:
     """Nesting depth of parsed JSON, without recursion."""
@@ -161,6 +170,7 @@ def _json_depth(obj: Any) -> int:
         elif isinstance(o, list):
             stack.extend((v, d + 1) for v in o)
     return depth
+
 
 def read_json_file(path: Path, what: str = "JSON", max_bytes: int = MAX_CONFIG_BYTES) -> Any:
     """Parse a small JSON file from an untrusted folder: size and depth capped, one-line errors."""
@@ -180,6 +190,7 @@ def read_json_file(path: Path, what: str = "JSON", max_bytes: int = MAX_CONFIG_B
         raise TellkitError(f"{path}: {what} nested more than {MAX_JSON_DEPTH} levels deep")
     return obj
 
+
 def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
     d = Path(directory)
     if not d.exists():
@@ -197,6 +208,7 @@ def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(meta["config"], dict):
         raise TellkitError(f"{cfg_path}: 'config' must be a mapping, got a {type(meta['config']).__name__}")
     return meta
+
 
 def check_config_values(config: Any, where: str) -> None:
     """Before anything is built from an untrusted model config: no integer too large for any
@@ -216,6 +228,7 @@ def check_config_values(config: Any, where: str) -> None:
             if not in_list and _REPEAT_KEY.search(key) and v > MAX_REPEATS:
                 raise TellkitError(f"{where}: {key} = {v}, more than the {MAX_REPEATS} repeated blocks tellkit builds")
 
+
 def estimate_model_bytes(entry, cfg) -> int:
     """Parameter + buffer bytes of the model ``cfg`` describes, built on the meta device."""
     with torch.device("meta"):
@@ -227,6 +240,7 @@ def estimate_model_bytes(entry, cfg) -> int:
             seen.add(id(t))
             total += t.numel() * t.element_size()
     return total
+
 
 def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str, finite: bool = True) -> None:
     """Names, shapes, dtype kinds and finiteness of ``state`` against ``model`` (tied names that
@@ -249,6 +263,7 @@ def check_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: st
         if finite and v.is_floating_point() and v.numel() and not bool(torch.isfinite(v).all()):
             raise TellkitError(f"{where}: tensor {k} holds NaN or infinite values (a diverged or damaged checkpoint)")
 
+
 def resolve_checkpoint(path: str | os.PathLike, follow_links: bool = True) -> Path:
     """A checkpoint folder, or a run folder of ``tellkit train`` -> its best (else last)
     checkpoint. ``follow_links=False`` keeps the ``checkpoints/best`` name (for display)
@@ -263,6 +278,7 @@ def resolve_checkpoint(path: str | os.PathLike, follow_links: bool = True) -> Pa
                 return found.resolve() if follow_links else found
         raise TellkitError(f"{p}: a run folder without checkpoints")
     return p.resolve() if follow_links else p
+
 
 def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Copy the weights of a checkpoint (or run folder) into ``model`` (fine-tuning / staged
@@ -283,6 +299,7 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
         for k, v in own.items():
             v.copy_(theirs[k].to(v.dtype))
     return d
+
 
 def load_model(directory: str | os.PathLike, map_location: str | torch.device = "cpu", expect: type | None = None):
     """Rebuild a model from ``directory`` (JSON config + safetensors weights), checking the
@@ -323,6 +340,7 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
     model.checkpoint_meta = meta
     return model
 
+
 def _is_tied_alias(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> bool:
     sd = model.state_dict()
     t = sd[name]
@@ -332,6 +350,7 @@ def _is_tied_alias(model: nn.Module, name: str, state: dict[str, torch.Tensor]) 
             if (o.untyped_storage().data_ptr(), o.storage_offset(), tuple(o.shape)) == ptr:
                 return True
     return False
+
 
 class PretrainedMixin:
     """Adds ``save_pretrained`` / ``from_pretrained`` to an ``nn.Module`` with a ``config``."""
@@ -369,6 +388,7 @@ class PretrainedMixin:
         if rest:
             out["other"] = rest
         return out
+
 
 def count_parameters(modules, trainable_only: bool = False, seen: set[int] | None = None) -> int:
     """Parameters of ``modules``, each shared (tied) tensor counted once. Pass the same ``seen``

@@ -24,6 +24,7 @@ def _wobble(points, amp=0.6, seed=0.0):
     return [(x + amp * math.sin(1.7 * i + seed), y + amp * math.cos(1.3 * i + 2 * seed))
             for i, (x, y) in enumerate(points)]
 
+
 def _line(a, b, n=12, bow=0.0):
     (x0, y0), (x1, y1) = a, b
     nx, ny = -(y1 - y0), x1 - x0
@@ -31,9 +32,11 @@ def _line(a, b, n=12, bow=0.0):
     return [(x0 + (x1 - x0) * t + bow * math.sin(math.pi * t) * nx / norm,
              y0 + (y1 - y0) * t + bow * math.sin(math.pi * t) * ny / norm) for t in (i / (n - 1) for i in range(n))]
 
+
 def _arc(cx, cy, r, a0, a1, n=16):
     return [(cx + r * math.cos(math.radians(a0 + (a1 - a0) * i / (n - 1))),
              cy + r * math.sin(math.radians(a0 + (a1 - a0) * i / (n - 1)))) for i in range(n)]
+
 
 def sample_strokes() -> list[list[tuple[float, float]]]:
     """Pen strokes of "x^2 + 1" (y grows downwards), made up here point by point."""
@@ -46,6 +49,7 @@ def sample_strokes() -> list[list[tuple[float, float]]]:
     ]
     return [_wobble(s, seed=k) for k, s in enumerate(strokes)]
 
+
 def draw_sample(path: str | Path | None = None):
     """Render :func:`sample_strokes` like the shared CROHME images; save it when ``path`` is given."""
 
@@ -54,6 +58,7 @@ def draw_sample(path: str | Path | None = None):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         im.save(path, optimize=True)
     return im
+
 
 def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | None = None, n_images: int = 32,
                batch_size: int = 16, beam_size: int | None = None, max_len: int | None = None,
@@ -107,12 +112,14 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
         "mean_output_tokens": sum(len(t) for t in fast) / max(n, 1),
     }
 
+
 def checkpoint_label(path) -> str:
     """The packaged default by name (results files hold no machine paths), else the path given."""
     default = PACKAGED_DEFAULTS["math"]
     if Path(path).resolve() == default.resolve():
         return f"packaged default ({default.name})"
     return str(path)
+
 
 def _default_images(n: int) -> list[Path]:
     """The first ``n`` of ``$TELLKIT_SHARED_DATA/crohme/test/2014/*.png``; the packaged sample
@@ -126,6 +133,7 @@ def _default_images(n: int) -> list[Path]:
         raise TellkitError(f"bench bttr: no PNG images in {d} (TELLKIT_SHARED_DATA is set; unset it to time "
                            "the packaged sample)")
     return files[:n]
+
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """``tellkit bench bttr``: the joint search with the default recognition checkpoint."""

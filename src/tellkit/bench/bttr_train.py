@@ -51,6 +51,7 @@ def _data_root() -> Path:
                            "holding crohme_inkml/ (make bench does)")
     return root
 
+
 def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
              fast_dropout: bool = False) -> dict[str, float]:
     """One warm-up step on the first batch (not timed), then one timed pass over ALL batches, so
@@ -88,6 +89,7 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
             "micro_steps": len(batches), "real_megapixels_per_s": real / dt / 1e6,
             "padding_waste": padded / max(real, 1) - 1.0, "seconds": dt}
 
+
 def _dropout_paired(model_fn, samples, batches, rounds: int = 2) -> dict[str, Any]:
     import torch  # heavy
 
@@ -119,6 +121,7 @@ def _dropout_paired(model_fn, samples, batches, rounds: int = 2) -> dict[str, An
     return {"pairs": len(ratios), "median_speedup": statistics.median(ratios),
             "min_speedup": min(ratios), "max_speedup": max(ratios),
             "seconds_f_dropout": plain, "seconds_fast_dropout": fast}
+
 
 def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup: int = 1,
                 threads: int | None = None, seed: int = 0, paired_batches: int = 12) -> dict[str, Any]:
@@ -170,6 +173,7 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
         "speedup_images_per_s": {k: v["images_per_s"] / base for k, v in results.items()},
         "dropout_paired": paired,
     }
+
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     """``tellkit bench bttr_train``."""

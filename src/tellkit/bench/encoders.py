@@ -24,6 +24,7 @@ def _photo_path(name: str) -> str:
 
     return os.path.join(skimage.data.data_dir, name)
 
+
 def _cases(quick: bool, device: str) -> dict[str, Any]:
     """name -> zero-argument callable doing one image's (or one article's) work."""
 
@@ -69,6 +70,7 @@ def _cases(quick: bool, device: str) -> dict[str, Any]:
 
         cases["roberta_large_512_tokens_random_weights"] = roberta_large
     return cases
+
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     cases = _cases(quick, device)

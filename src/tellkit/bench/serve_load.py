@@ -46,6 +46,7 @@ def _inputs() -> tuple[list[tuple[str, bytes, str]], bytes]:
         raise RuntimeError(f"no demo images under {ASSETS / 'demo_caption'}")
     return photos, math
 
+
 def _default_models() -> list[str]:
     """Server arguments: each packaged default checkpoint that is installed, tiny untrained
     models (--untrained) for the others."""
@@ -58,6 +59,7 @@ def _default_models() -> list[str]:
         args.append("--untrained")
     return args
 
+
 def _percentiles(xs: list[float]) -> dict[str, float]:
     if not xs:
         return {}
@@ -69,6 +71,7 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
     return {"p50_ms": round(q(50) * 1000, 1), "p90_ms": round(q(90) * 1000, 1), "p99_ms": round(q(99) * 1000, 1),
             "max_ms": round(s[-1] * 1000, 1), "mean_ms": round(sum(s) / len(s) * 1000, 1)}
 
+
 def _proc_status(pid: int) -> dict[str, int]:
     out = {}
     with open(f"/proc/{pid}/status", encoding="utf-8") as f:
@@ -77,6 +80,7 @@ def _proc_status(pid: int) -> dict[str, int]:
                 k, v = line.split(":")
                 out[k] = int(v.split()[0]) // 1024  # MiB
     return out
+
 
 def _start_server(model_args: list[str], max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
 
@@ -100,6 +104,7 @@ def _start_server(model_args: list[str], max_batch: int, threads: int) -> tuple[
     proc.kill()
     raise RuntimeError("the server did not answer /health within 180 s")
 
+
 def large_png(width: int = 4000, height: int = 4000) -> bytes:
     """A small file that decodes to a large bitmap: 16-bit grayscale, a sparse grid of dots."""
     import numpy as np  # heavy
@@ -111,6 +116,7 @@ def large_png(width: int = 4000, height: int = 4000) -> bytes:
     Image.fromarray(a).save(buf, "PNG")
     return buf.getvalue()
 
+
 def reset_peak(pid: int) -> bool:
     """Reset the process's peak resident memory (VmHWM) to its current RSS (Linux >= 4.0)."""
     try:
@@ -119,6 +125,7 @@ def reset_peak(pid: int) -> bool:
         return True
     except OSError:
         return False
+
 
 def large_upload_peak(url: str, pid: int, n: int = 16, path: str = "/api/recognize", data: bytes | None = None,
                       timeout: float = 120.0) -> dict[str, Any]:
@@ -137,6 +144,7 @@ def large_upload_peak(url: str, pid: int, n: int = 16, path: str = "/api/recogni
             "peak_rss_mib": after["VmHWM"], "peak_growth_mib": after["VmHWM"] - before["VmRSS"],
             "statuses": sorted(set(statuses)), "status_counts": {s: statuses.count(s) for s in sorted(set(statuses))}}
 
+
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -144,6 +152,7 @@ def _stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
 
 # Bad requests mixed into the load: (endpoint, files, fields, the 4xx status expected).
 BAD_REQUESTS = [
@@ -197,6 +206,7 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
     out["bad_requests"] = {"sent": len(bad), "answered_expected_4xx": sum(b is None for _, b in bad)}
     return out
 
+
 def run(quick: bool = False, device: str = "cpu", requests: int | None = None, concurrency: int = 8,
         model_args: list[str] | None = None, threads: int = 0) -> dict[str, Any]:
     n = requests or (16 if quick else 96)
@@ -233,6 +243,7 @@ def run(quick: bool = False, device: str = "cpu", requests: int | None = None, c
     result["total_errors"] = sum(r["errors"] for r in result["runs"].values())
     return result
 
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=96)
@@ -259,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
               f"RSS {big['rss_before_mib']} -> peak {big['peak_rss_mib']} MiB, statuses {big['status_counts']}")
     print(f"wrote {out / 'serve_load.json'}")
     return 0 if res["total_errors"] == 0 else 1
+
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

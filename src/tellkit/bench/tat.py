@@ -41,6 +41,7 @@ def fake_batch(cfg, batch_size: int, caption_len: int = 0, n_image: int = 49, n_
         batch["caption"] = cap
     return {k: v.to(device) for k, v in batch.items()}
 
+
 class _Recompute:
     """Decoder without incremental state: every step re-encodes the contexts and re-runs the
     whole prefix (what generation costs when nothing is cached)."""
@@ -55,6 +56,7 @@ class _Recompute:
 
     def reorder(self, index):
         self.batch = {k: v.index_select(0, index) for k, v in self.batch.items()}
+
 
 def generation(model, batch_size: int, tokens: int, device: str, recompute: bool) -> dict[str, Any]:
 
@@ -83,6 +85,7 @@ def generation(model, batch_size: int, tokens: int, device: str, recompute: bool
         out["decoding_tokens_per_s"] = round(n / max(secs - ctx_secs, 1e-9), 2)
     return out
 
+
 def training(config: str, batch_size: int, caption_len: int, steps: int, device: str) -> dict[str, Any]:
 
     torch.manual_seed(0)
@@ -104,6 +107,7 @@ def training(config: str, batch_size: int, caption_len: int, steps: int, device:
     return {"config": config, "trainable_params": model.num_parameters(True), "batch_size": batch_size,
             "caption_tokens": caption_len, "steps": steps, "seconds": round(secs, 3),
             "target_tokens_per_s": round(ntok / secs, 2), "samples_per_s": round(steps * batch_size / secs, 3)}
+
 
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
 

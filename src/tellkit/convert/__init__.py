@@ -52,11 +52,14 @@ class _Inert(dict):
             if isinstance(part, dict):
                 self.update(part)
 
+
 def _rebuild_tensor(flat: torch.Tensor, offset: int, size, stride, *_: Any) -> torch.Tensor:
     return flat.as_strided(tuple(size), tuple(stride), int(offset))
 
+
 def _rebuild_parameter(data: torch.Tensor, *_: Any) -> torch.Tensor:
     return data
+
 
 _ALLOWED = {
     ("collections", "OrderedDict"): OrderedDict,
@@ -97,6 +100,7 @@ class _SafeUnpickler(pickle.Unpickler):
         flat = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
         return flat[: int(numel)] if int(numel) <= flat.numel() else flat
 
+
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
     "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
@@ -122,6 +126,7 @@ def _load_zip_checkpoint(p: Path) -> Any:
             except Exception as exc:  # noqa: BLE001 - any failure means an unreadable file
                 raise TellkitError(f"{p}: not a readable PyTorch checkpoint ({exc})") from None
 
+
 def read_pickled_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     """Read a reference ``.ckpt`` / ``.th`` / ``.pt`` file without executing any of its code:
     ``torch.load(weights_only=True)`` first; a file that also holds other classes (a Lightning
@@ -138,6 +143,7 @@ def read_pickled_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise TellkitError(f"{p}: expected a dict of tensors, found {type(obj).__name__}")
     return obj
+
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The tensors of a reference checkpoint: a Lightning ``state_dict`` entry, a bare state
@@ -157,10 +163,12 @@ def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise TellkitError(f"{p}: holds no tensors")
     return tensors
 
+
 def converter(family: str):
     if family not in CONVERTERS:
         raise TellkitError(f"no converter for {family!r} (known: {', '.join(CONVERTERS)})")
     return importlib.import_module(f"tellkit.convert.{family}")
+
 
 def detect_family(state: dict[str, torch.Tensor]) -> str:
     found = []
@@ -175,6 +183,7 @@ def detect_family(state: dict[str, torch.Tensor]) -> str:
         what = "no known layout" if not found else f"several layouts ({', '.join(found)})"
         raise TellkitError(f"cannot tell which model this checkpoint holds ({what}); pass --family")
     return found[0]
+
 
 def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: str | None = None,
                        **options: Any) -> Path:
@@ -198,8 +207,10 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: s
     save_model(model, out, extra={"converted_from": Path(src).name})
     return out
 
+
 def _is_buffer(model: torch.nn.Module, key: str) -> bool:
     return key in dict(model.named_buffers())
+
 
 def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     """Write the tellkit checkpoint folder ``src`` as the reference implementation's checkpoint

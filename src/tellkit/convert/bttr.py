@@ -61,6 +61,7 @@ def _strip(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {k[len(pre):]: v for k, v in state.items() if k.startswith(pre)}
     return {}
 
+
 def matches(state: dict[str, torch.Tensor]) -> bool:
     s = _strip(state)
     return "decoder.proj.weight" in s and any(k.startswith("decoder.model.layers.") for k in s)
@@ -72,8 +73,6 @@ def is_comer(s: dict[str, torch.Tensor]) -> bool:
 
 
 def _comer_symbols() -> list[str]:
-    from tellkit.data.latex import Vocab
-
     return sorted((set(Vocab().itos[3:]) - {"'"}) | {"\\Pi"})
 
 
@@ -85,6 +84,7 @@ COMER_DIFFERENCE = ({"'"}, {"\\Pi"})  # (tellkit only, CoMER only): always accep
 def _count(s: dict, pattern: str) -> int:
     rx = re.compile(pattern)
     return len({m.group(1) for k in s for m in [rx.match(k)] if m})
+
 
 _BN = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked")
 _ATTENTION = (("self_attn", "self_attn"), ("multihead_attn", "cross_attn"))  # reference, tellkit
@@ -133,6 +133,7 @@ def _name_pairs(config: dict, comer: bool = False) -> list[tuple[str, str]]:
                       ("decoder.model.arm.proj.weight", "decoder.arm.proj.weight")]
             bn("decoder.model.arm.post_norm.bn", "decoder.arm.norm")
     return pairs
+
 
 def convert(state: dict[str, torch.Tensor], nhead: int = 8, dictionary: str | None = None,
             allow_vocab_mismatch: bool = False, dropout: float = 0.3, encoder_dropout: float = 0.2,
@@ -224,8 +225,6 @@ def _remap_vocab(out: dict, config: dict, symbols: list[str], where_from: str, a
                  tolerated: tuple[set, set] = (set(), set())) -> None:
     """Reorder the embedding / output rows from the reference dictionary's order to tellkit's.
     ``tolerated``: (tellkit-only, reference-only) symbols accepted without ``allow``."""
-    from tellkit.data.latex import Vocab
-
     theirs = ["<pad>", "<sos>", "<eos>"] + symbols
     if len(theirs) != config["vocab_size"]:
         raise TellkitError(f"{where_from}: {len(symbols)} symbols + 3 specials = {len(theirs)}, but the checkpoint "
@@ -247,6 +246,7 @@ def _remap_vocab(out: dict, config: dict, symbols: list[str], where_from: str, a
                 new[i] = -1e4  # a symbol the reference never learned: never predicted
         out[key] = new
     config["vocab_size"] = len(vocab)
+
 
 # --- the other way: a tellkit BTTR as a reference Lightning checkpoint ---------------------------
 # LitBTTR's constructor arguments that are not model sizes: the reference's defaults.

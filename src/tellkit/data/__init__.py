@@ -40,4 +40,5 @@ def load_captions(fmt: str, root: str | os.PathLike, split: str | None = None, *
         return load_flickr8k(root, split, **options)
     raise TellkitError(f"unknown caption data format {fmt!r}; known: {', '.join(CAPTION_FORMATS)}")
 
+
 __all__ = ["CAPTION_FORMATS", "load_captions"]

@@ -49,6 +49,7 @@ class Expression:
     tokens: list[str]
     raw: str = ""
 
+
 # --- label files -----------------------------------------------------------------------------
 def read_tsv_labels(path: str | os.PathLike) -> list[tuple[str, str]]:
     """``key<TAB>raw LaTeX`` rows (CSV-quoted fields may span lines)."""
@@ -66,6 +67,7 @@ def read_tsv_labels(path: str | os.PathLike) -> list[tuple[str, str]]:
             rows.append((row[0].strip(), row[1].strip()))
     return rows
 
+
 def read_caption_txt(path: str | os.PathLike) -> list[tuple[str, list[str]]]:
     """WAP/BTTR ``caption.txt``: ``id<TAB>space separated tokens`` (some releases use spaces only)."""
     p = Path(path)
@@ -79,12 +81,14 @@ def read_caption_txt(path: str | os.PathLike) -> list[tuple[str, list[str]]]:
         out.append((parts[0].strip(), parts[1].split() if len(parts) > 1 else []))
     return out
 
+
 def load_tsv_split(tsv: str | os.PathLike, image_root: str | os.PathLike) -> list[Expression]:
     root = Path(image_root)
     exprs = []
     for key, raw in read_tsv_labels(tsv):
         exprs.append(Expression(key, root / f"{key}.png", normalize(raw), raw))
     return exprs
+
 
 def load_caption_dir(folder: str | os.PathLike) -> list[Expression]:
     d = Path(folder)
@@ -95,12 +99,14 @@ def load_caption_dir(folder: str | os.PathLike) -> list[Expression]:
         exprs.append(Expression(key, img, normalize(" ".join(toks)), " ".join(toks)))
     return exprs
 
+
 def _find_image(d: Path, key: str) -> Path:
     for sub in (d, d / "img", d / "images"):
         for suf in IMAGE_SUFFIXES:
             if (sub / f"{key}{suf}").is_file():
                 return sub / f"{key}{suf}"
     raise TellkitError(f"{d}: no image for '{key}' (looked for {key}.png/.bmp/.jpg here and in img/)")
+
 
 def load_inkml_split(root: str | os.PathLike, split: str, skipped: dict[str, int] | None = None) -> list[Expression]:
     """``train`` (every ``train/**.inkml``), a year under ``test/`` (``2014``), or any folder
@@ -126,6 +132,7 @@ def load_inkml_split(root: str | os.PathLike, split: str, skipped: dict[str, int
         raise TellkitError(f"{folder}: no usable InkML files" + (f" (skipped: {counts})" if counts else ""))
     return exprs
 
+
 def load_split(root: str | os.PathLike, split: str, layout: str = "tsv",
                skipped: dict[str, int] | None = None) -> list[Expression]:
     """A named split of the shared layout (``train``, ``2014``, ``gt_split/train``,
@@ -145,6 +152,7 @@ def load_split(root: str | os.PathLike, split: str, layout: str = "tsv",
     if (r / f"groundtruth_{split}.tsv").is_file():
         return load_tsv_split(r / f"groundtruth_{split}.tsv", r / "test" / split)
     raise TellkitError(f"{r}: unknown CROHME split '{split}'")
+
 
 # --- images -----------------------------------------------------------------------------------
 def ink_component_sizes(ink: np.ndarray, threshold: float = 0.5, min_pixels: int = 4) -> np.ndarray:
@@ -190,6 +198,7 @@ def ink_component_sizes(ink: np.ndarray, threshold: float = 0.5, min_pixels: int
     return np.array([max(c[1] - c[0], c[3] - c[2]) + 1 for c in comps.values() if c[4] >= min_pixels],
                     dtype=np.int64)
 
+
 def pen_width(ink: np.ndarray, threshold: float = 0.5) -> float:
     """Estimated pen width in pixels: 2 x ink area / ink perimeter (a stroke of width w and
     length L has area wL and perimeter about 2L); 0 when there is no ink."""
@@ -200,6 +209,7 @@ def pen_width(ink: np.ndarray, threshold: float = 0.5) -> float:
     p = np.pad(b, 1)
     edges = int((p[1:] != p[:-1]).sum() + (p[:, 1:] != p[:, :-1]).sum())
     return 2.0 * area / edges
+
 
 def _dilate(a: np.ndarray, k: int) -> np.ndarray:
     """Grey-level dilation by a (k+1) x (k+1) square: strokes become k pixels wider. A running
@@ -214,6 +224,7 @@ def _dilate(a: np.ndarray, k: int) -> np.ndarray:
             np.maximum(out, p[i : i + n] if axis == 0 else p[:, i : i + n], out=out)
         a = out
     return a
+
 
 def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool = True,
                scale: float = 1.0, max_side: int = 0, require_ink: bool = False, max_pixels: int = 0,
@@ -282,6 +293,7 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
     t = torch.from_numpy(np.ascontiguousarray(a))[None]
     return pad_to_stride(t)
 
+
 def render_square(strokes: Sequence[Sequence[tuple[float, float]]], size: int = 256, margin: int = 5,
                   width: int = 2):
     """Draw pen strokes (lists of (x, y) points, y down) like the shared CROHME renders: black
@@ -304,6 +316,7 @@ def render_square(strokes: Sequence[Sequence[tuple[float, float]]], size: int = 
             xy = xy * 2
         d.line(xy, fill=0, width=width, joint="curve")
     return im
+
 
 # --- dataset and batches ------------------------------------------------------------------------
 @dataclass
@@ -352,6 +365,7 @@ class ImageAugment:
         grid = F.affine_grid(torch.cat([theta, torch.zeros(2, 1)], 1)[None], [1, 1, h, w], align_corners=True)
         out = F.grid_sample(img[None].float(), grid, mode="bilinear", padding_mode="zeros", align_corners=True)
         return out[0].to(img.dtype)
+
 
 class CrohmeDataset(torch.utils.data.Dataset):
     """Items: ``{"id", "image": [1,H,W], "labels": list[int] (no sos/eos), "tokens"}``."""
@@ -428,6 +442,7 @@ class CrohmeDataset(torch.utils.data.Dataset):
             self._sizes = [tuple(self.image(i).shape[-2:]) for i in range(len(self.exprs))]
         return self._sizes
 
+
 def collate(samples: list[dict], pad_id: int = 0) -> dict:
     """Pad images (background 0) and labels. ``image_mask`` True = real pixel.
     Unknown label tokens (-1, test truth outside the vocabulary) are kept only in ``tokens``."""
@@ -450,6 +465,7 @@ def collate(samples: list[dict], pad_id: int = 0) -> dict:
         "label_lengths": torch.tensor([len(seq) for seq in labels], dtype=torch.long),
         "ids": [s["id"] for s in samples], "tokens": [s["tokens"] for s in samples],
     }
+
 
 def size_batches(sizes: Sequence[tuple[int, int]], batch_size: int, max_batch_pixels: int,
                  shuffle: bool = False, seed: int = 0, sort: str = "shape") -> list[list[int]]:

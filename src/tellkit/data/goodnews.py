@@ -43,6 +43,7 @@ class _Text(HTMLParser):
     def handle_data(self, data: str) -> None:
         self.parts.append(data)
 
+
 def strip_html(text: str) -> str:
     """The text of an HTML fragment: tags dropped, entities decoded."""
     p = _Text()
@@ -50,9 +51,11 @@ def strip_html(text: str) -> str:
     p.close()
     return "".join(p.parts)
 
+
 def clean_caption(text: str) -> str:
     """The reference's caption cleaning: strip, HTML to text, ``[...]`` removed, strip."""
     return _BRACKETS.sub("", strip_html(text.strip())).strip()
+
 
 def _read_json(path: Path) -> Any:
     if not path.is_file():
@@ -62,6 +65,7 @@ def _read_json(path: Path) -> Any:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise TellkitError(f"{path}: not valid JSON ({exc})") from exc
+
 
 def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_dir: str | None = None,
                   limit: int | None = None, clean_captions: bool = True,

@@ -62,6 +62,7 @@ def _number(name: str, value: Any, lo: float, hi: float) -> float:
         raise TellkitError(f"{WHERE}.{name}: expected a number in [{lo:g}, {hi:g}], got {value!r}")
     return float(value)
 
+
 def _range(name: str, value: Any, lo: float, hi: float, allow_zero: bool = False) -> tuple[float, float]:
     msg = f"{WHERE}.{name}: expected [low, high] with {lo:g} < low <= high <= {hi:g}"
     if not isinstance(value, (list, tuple)) or len(value) != 2 or any(
@@ -73,6 +74,7 @@ def _range(name: str, value: Any, lo: float, hi: float, allow_zero: bool = False
     if not lo < a <= b <= hi:
         raise TellkitError(f"{msg}, got {value!r}")
     return (a, b)
+
 
 @dataclass
 class InkAugment:
@@ -109,6 +111,7 @@ class InkAugment:
                     or self.stroke_scale or self.stroke_rotate or self.elastic or self.pen_width != (0.0, 0.0)
                     or self.substitute or self.subexpr)
 
+
 # --- the symbol bank ------------------------------------------------------------------------------
 @dataclass
 class _Donor:
@@ -116,6 +119,7 @@ class _Donor:
     writer: str | None
     strokes: list[np.ndarray]
     scale: float  # the median stroke size of its expression
+
 
 @dataclass
 class SymbolBank:
@@ -149,6 +153,7 @@ class SymbolBank:
                 continue
             return d
         return None
+
 
 def fit_to_box(strokes: Sequence[np.ndarray], lo: np.ndarray, hi: np.ndarray, target_scale: float,
                donor_scale: float) -> list[np.ndarray] | None:
@@ -311,9 +316,11 @@ class AugmentedInk:
 
         return render_strokes(self.strokes, self.render_config(base))
 
+
 def _rot(deg: float) -> np.ndarray:
     a = math.radians(deg)
     return np.array([[math.cos(a), -math.sin(a)], [math.sin(a), math.cos(a)]])
+
 
 class InkAugmenter:
     """Applies an :class:`InkAugment` to expressions: ``augmenter(expr, rng) -> AugmentedInk``.
@@ -431,6 +438,7 @@ class InkAugmenter:
             symbols.append(InkSymbol(sym.label, idx, sym.ref))
         out.strokes, out.symbols = new_strokes, symbols
 
+
 def load_inks(paths: Iterable[str | os.PathLike]) -> list[InkExpression]:
     """The strokes and segmentation of InkML files (for augmenting them afresh each epoch)."""
     out = []
@@ -440,6 +448,7 @@ def load_inks(paths: Iterable[str | os.PathLike]) -> list[InkExpression]:
         except InkMLError as exc:
             raise TellkitError(f"{WHERE}: cannot read {p} for augmentation ({exc.reason})") from None
     return out
+
 
 def build_bank(inks: Sequence[InkExpression]) -> SymbolBank:
     bank = SymbolBank()

@@ -54,8 +54,8 @@ class InkMLError(TellkitError):
         self.reason = reason
         super().__init__(f"{path}: {reason}" + (f" ({detail})" if detail else ""))
 
-STRIDE = 16
 
+STRIDE = 16
 
 
 @dataclass(frozen=True)

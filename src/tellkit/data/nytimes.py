@@ -54,6 +54,7 @@ def vectors(value: Any, dim: int, limit: int | None, what: str) -> np.ndarray:
         raise TellkitError(f"{what}: expected vectors of {dim} numbers, got shape {a.shape}")
     return np.ascontiguousarray(a[:limit] if limit is not None else a)
 
+
 def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike | None = None,
                          objects: dict[str, Any] | None = None, max_faces: int = MAX_FACES,
                          max_objects: int = MAX_OBJECTS) -> Iterator[CaptionSample]:
@@ -94,6 +95,7 @@ def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike 
             extra=extra,
         )
 
+
 def _collect(articles: Iterable[dict[str, Any]], split: str | None, image_root, limit: int | None,
              objects: dict[str, Any] | None = None) -> list[CaptionSample]:
     out: list[CaptionSample] = []
@@ -104,6 +106,7 @@ def _collect(articles: Iterable[dict[str, Any]], split: str | None, image_root, 
         if limit is not None and len(out) >= limit:
             return out[:limit]
     return out
+
 
 def load_nytimes_archive(
     path: str | os.PathLike,
@@ -131,6 +134,7 @@ def load_nytimes_archive(
         attach_objects(samples, read_archive_objects(path, {s.image_id for s in samples}, db))
     return samples
 
+
 def read_archive_objects(path: str | os.PathLike, hashes: set[str] | None, db: str) -> dict[str, np.ndarray]:
     """Image hash -> float32 [O, 2048] from collection ``<db>.objects`` of a mongodump archive."""
 
@@ -140,10 +144,12 @@ def read_archive_objects(path: str | os.PathLike, hashes: set[str] | None, db: s
         out[key] = vectors(doc.get("object_features"), OBJECT_DIM, MAX_OBJECTS, f"objects of image {key}")
     return out
 
+
 def attach_objects(samples: list[CaptionSample], objects: dict[str, np.ndarray]) -> None:
     for s in samples:
         if s.image_id in objects:
             s.extra["objects"] = objects[s.image_id]
+
 
 def load_nytimes_mongo(
     uri: str,

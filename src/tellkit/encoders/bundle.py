@@ -47,6 +47,7 @@ from tellkit.recipes import (
 __all__ = ["CONTEXT_MODES", "CONTEXT_POLICIES", "DEFAULT_ARTICLE_ENCODER", "DEFAULT_FACE_ENCODER", "FACE_DIM",
            "MAX_FACES", "OBJECT_DIM", "CaptionInput", "EncoderBundle", "EncodersConfig"]
 
+
 @dataclass
 class CaptionInput:
     """What the bundle encodes: one image and its text context (and precomputed context sets).
@@ -62,6 +63,7 @@ class CaptionInput:
     faces: Any = None  # precomputed float32 [F, 512] (array-like), or None: detect
     objects: Any = None  # precomputed float32 [O, 2048] (array-like), or None: empty set
 
+
 def _as_set(values, dim: int, limit: int | None, what: str) -> torch.Tensor:
     x = torch.as_tensor(values, dtype=torch.float32)
     if x.numel() == 0:
@@ -69,6 +71,7 @@ def _as_set(values, dim: int, limit: int | None, what: str) -> torch.Tensor:
     if x.dim() != 2 or x.size(1) != dim:
         raise TellkitError(f"precomputed {what} must be [n, {dim}], got {tuple(x.shape)}")
     return x[:limit] if limit is not None else x
+
 
 class EncoderBundle:
     """The frozen encoders of an :class:`EncodersConfig` for the given contexts, built on first

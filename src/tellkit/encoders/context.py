@@ -57,10 +57,12 @@ class ArticleContext:
     truncated: bool = False  # True when part of the article was left out (cut or not reached)
     tokens: list[Any] | None = None  # with ``tokenize``: the first max_tokens tokens of ``text``
 
+
 def _default_counter() -> Callable[[str], int]:
 
     tok = CaptionTokenizer.load()
     return lambda text: len(tok.encode(text))
+
 
 def _cut_to(text: str, budget: int, count: Callable[[str], int]) -> str:
     """The longest word prefix of ``text`` with at most ``budget`` tokens (binary search)."""
@@ -73,6 +75,7 @@ def _cut_to(text: str, budget: int, count: Callable[[str], int]) -> str:
         else:
             hi = mid - 1
     return " ".join(words[:lo])
+
 
 def reading_order(n_paragraphs: int, image_index: int | None) -> list[int]:
     """Paragraph indices in the order they are taken (see the module docstring)."""
@@ -91,6 +94,7 @@ def reading_order(n_paragraphs: int, image_index: int | None) -> list[int]:
             below += 1
     return order
 
+
 def build_context(title: str, paragraphs: Sequence[str], image_index: int | None = None,
                   count_tokens: Callable[[str], int] | None = None,
                   max_tokens: int = DEFAULT_MAX_TOKENS, sep: str = SEPARATOR, *, policy: str = "reference",
@@ -107,6 +111,7 @@ def build_context(title: str, paragraphs: Sequence[str], image_index: int | None
     if tokenize is not None:
         ctx.tokens = list(tokenize(ctx.text))[:max_tokens]
     return ctx
+
 
 def _reference_context(title: str, paragraphs: Sequence[str], image_index: int | None,
                        count: Callable[[str], int], max_tokens: int, first_words: int | None) -> ArticleContext:
@@ -153,6 +158,7 @@ def _reference_context(title: str, paragraphs: Sequence[str], image_index: int |
     left_out = any(p for x, p in enumerate(paras) if p and x not in taken)
     return ArticleContext(text, sorted(order), min(n, max_tokens), left_out or n > max_tokens)
 
+
 def _cut_context(title: str, paragraphs: Sequence[str], image_index: int | None,
                  count: Callable[[str], int], max_tokens: int, sep: str) -> ArticleContext:
     sep_cost = count(sep) if sep.strip() else 0
@@ -195,6 +201,7 @@ def _cut_context(title: str, paragraphs: Sequence[str], image_index: int | None,
             chosen[last] = parts[-1]
         text, n, truncated = sep.join(parts), count(sep.join(parts)), True
     return ArticleContext(text=text, paragraphs=sorted(chosen), n_tokens=n, truncated=truncated)
+
 
 def split_parsed_section(parsed_section: Sequence[Mapping], image_position: int) -> tuple[list[str], int]:
     """NYTimes800k ``parsed_section`` + one of its ``image_positions`` -> (texts, image index):

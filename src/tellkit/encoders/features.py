@@ -324,6 +324,7 @@ class FeatureStore:
         out: dict[str, torch.Tensor] = {}
         with safe_open(str(path), "pt") as f:
             keys = set(f.keys())
+
             def row_of(name):
                 return f.get_slice(name)[row:row + 1][0]
 

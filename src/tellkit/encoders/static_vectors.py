@@ -46,6 +46,7 @@ def split_words(text: str) -> list[tuple[str, int, int]]:
     """(word, start, end) for every word / punctuation mark of ``text``."""
     return [(m.group(), m.start(), m.end()) for m in _WORD.finditer(text)]
 
+
 class StaticVectors:
     """A word -> vector table; see the module docstring."""
 
@@ -214,6 +215,7 @@ class StaticVectors:
             offsets = self.encode(texts, max_tokens)["offsets"]
         return self.caption_tokenizer.ids_for_spans(texts, offsets)
 
+
 def _local_input_embeddings(path: str) -> torch.Tensor | None:
     """The word-embedding matrix straight from ``<folder>/model.safetensors`` (no model build)."""
     f = Path(path) / "model.safetensors"
@@ -225,6 +227,7 @@ def _local_input_embeddings(path: str) -> torch.Tensor | None:
         keys = [k for k in st.keys() if k.endswith(("word_embeddings.weight", "embed_tokens.weight", "shared.weight"))]
         return st.get_tensor(sorted(keys, key=len)[0]).float() if keys else None
 
+
 def _load_tokenizer(path: str):
     from transformers import AutoTokenizer  # heavy
 
@@ -234,10 +237,12 @@ def _load_tokenizer(path: str):
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise TellkitError(f"static vectors: cannot load the tokenizer of '{path}': {msg}") from None
 
+
 def _normalizer_lowercases(tokenizer) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     norm = getattr(backend, "normalizer", None)
     return norm is not None and "lowercase=True" in repr(norm)
+
 
 def load_article_vectors(spec: str) -> StaticVectors:
     """A static table from a recipe string: ``glove:PATH`` (a GloVe text file), ``static`` (the
@@ -251,6 +256,7 @@ def load_article_vectors(spec: str) -> StaticVectors:
     if spec.startswith("static:"):
         return StaticVectors.from_text_encoder(spec[len("static:"):])
     raise TellkitError(f"static word vectors: expected 'glove:PATH', 'static' or 'static:NAME', got {spec!r}")
+
 
 def is_static_spec(spec) -> bool:
     """True for the recipe strings :func:`load_article_vectors` accepts."""

@@ -118,6 +118,7 @@ class ArticleEncoder(nn.Module):
     def extra_repr(self) -> str:
         return f"name={self.name!r}, num_layers={self.num_layers}, dim={self.dim}, max_tokens={self.max_tokens}"
 
+
 PACKAGED_NAMES = (None, "minilm", "all-MiniLM-L6-v2")
 
 

@@ -41,6 +41,7 @@ def _pairs(
         raise TellkitError(f"{len(predictions)} predictions but {len(references)} references")
     return [str(i) for i in range(len(predictions))], list(predictions), list(references)
 
+
 def score_summaries(
     predictions: Sequence[str] | Mapping[str, str],
     references: Sequence[str] | Mapping[str, str],
@@ -103,6 +104,7 @@ def score_summaries(
         )
     out["implementations"] = notes
     return out
+
 
 def flatten_scores(scores: Mapping[str, Any]) -> dict[str, float]:
     """Numbers only, one level: ``rouge1/2/L`` = the reference implementation (what the paper

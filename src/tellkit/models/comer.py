@@ -61,6 +61,7 @@ class ComerConfig(BTTRConfig):
         if self.dc < 1:
             raise TellkitError(f"comer: dc must be >= 1 (got {self.dc})")
 
+
 # ---------------------------------------------------------------------------------------------
 # Encoder: BTTR's DenseNet, CoMER's projection and positions
 # ---------------------------------------------------------------------------------------------
@@ -82,6 +83,7 @@ def comer_image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
 
     return torch.cat([axis(x), axis(y)], -1)
 
+
 class ComerEncoder(Encoder):
     """DenseNet-B -> 1x1 conv to d_model -> + 2-D positions -> LayerNorm (no ReLU)."""
 
@@ -91,6 +93,7 @@ class ComerEncoder(Encoder):
         feat = self.proj(feat).permute(0, 2, 3, 1)  # [B, h, w, d]
         feat = self.norm(feat + comer_image_positions(mask, self.d_model))
         return feat.reshape(feat.shape[0], -1, self.d_model), mask
+
 
 # ---------------------------------------------------------------------------------------------
 # Attention Refinement Module and the decoder around it
@@ -108,6 +111,7 @@ class GridKV(ProjectedKV):
     def real(self) -> torch.Tensor:
         """[N, h, w], True = real pixel."""
         return ~self.key_padding_mask.reshape(self.k.shape[0], -1, self.width)
+
 
 class AttentionRefinement(nn.Module):
     """Coverage [N, C, T, S] (C = nhead per kind of coverage) -> the amount [N, nhead, T, S]
@@ -135,10 +139,12 @@ class AttentionRefinement(nn.Module):
             out = self.norm(x.reshape(-1, x.shape[-1])).reshape(x.shape)
         return out.permute(0, 3, 1, 2)
 
+
 def exclusive_cumsum(a: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum over the positions before each one along ``dim`` (the first gets exactly zero)."""
     total = a.cumsum(dim).narrow(dim, 0, a.shape[dim] - 1)
     return torch.cat([torch.zeros_like(a.narrow(dim, 0, 1)), total], dim)
+
 
 class ComerDecoderLayer(DecoderLayer):
     """BTTR's layer whose cross-attention is refined by the decoder's shared ARM when an earlier
@@ -171,6 +177,7 @@ class ComerDecoderLayer(DecoderLayer):
         probs = torch.softmax(scores.masked_fill(pad, float("-inf")), -1)
         return F.dropout(probs, p=self.cross_attn.dropout, training=self.training)
 
+
 class ComerDecoder(Decoder):
     layer_class = ComerDecoderLayer
 
@@ -202,6 +209,7 @@ class ComerDecoder(Decoder):
         for i, layer in enumerate(self.layers):
             x = layer(x, kvs[i], None if states is None else states[i], ctx)
         return self.out(x)
+
 
 @register_model("comer", ComerConfig)
 class CoMER(BTTR):

@@ -132,6 +132,7 @@ class VGGPLMConfig:
         self.fusion_layers = tuple(int(i) for i in self.fusion_layers)
         self.decoder_fusion_layers = tuple(int(i) for i in self.decoder_fusion_layers)
 
+
 # --- backbone resolution -------------------------------------------------------------------
 def backbone_hf_config(cfg: VGGPLMConfig):
     """The backbone's HF config: from ``cfg.backbone_config`` if set, else from the local folder,
@@ -167,18 +168,22 @@ def backbone_hf_config(cfg: VGGPLMConfig):
         raise TellkitError(f"backbone {name}: model_type '{hf.model_type}' is not supported (bart or t5)")
     return hf
 
+
 def _transformers():
 
     return require("transformers", "all", "VG-BART / VG-T5 backbones")
 
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
+
 
 def _config_to_dict(hf) -> dict[str, Any]:
     d = hf.to_dict()
     for k in ("transformers_version", "architectures", "_name_or_path", "dtype", "torch_dtype"):
         d.pop(k, None)
     return json.loads(json.dumps(d, default=str))  # plain JSON values only
+
 
 # --- visual transformer encoder ------------------------------------------------------------
 def interleaved_sinusoids(length: int, dim: int) -> torch.Tensor:
@@ -190,6 +195,7 @@ def interleaved_sinusoids(length: int, dim: int) -> torch.Tensor:
     table[:, 0::2] = torch.sin(pos * freq)
     table[:, 1::2] = torch.cos(pos * freq)[:, : dim // 2]
     return table.float()
+
 
 class VisualTransformerEncoder(nn.Module):
     """Post-norm transformer encoder over video features: ``x * sqrt(dim) + positions``, dropout,
@@ -213,6 +219,7 @@ class VisualTransformerEncoder(nn.Module):
         for layer in self.layers:
             x = layer(x, src_key_padding_mask=pad)
         return x
+
 
 # --- the model -----------------------------------------------------------------------------
 @register_model("vg_gplm", VGGPLMConfig)
@@ -450,6 +457,7 @@ class VGGPLM(nn.Module, PretrainedMixin):
             tokenizer.save_pretrained(str(Path(d) / "tokenizer"))
         return d
 
+
 def load_tokenizer(source: str | os.PathLike, checkpoint: str | os.PathLike | None = None):
     """The tokenizer saved beside a checkpoint (``<ckpt>/tokenizer``) or the backbone's."""
     transformers = _transformers()
@@ -464,6 +472,7 @@ def load_tokenizer(source: str | os.PathLike, checkpoint: str | os.PathLike | No
         except (OSError, ValueError) as exc:
             errors.append(f"{c}: {_one_line(exc)}")
     raise TellkitError("no tokenizer found (" + "; ".join(errors) + ")")
+
 
 # --- tiny backbones for tests and demos (no weights exist offline) ---------------------------
 def save_tiny_backbone(

@@ -60,9 +60,11 @@ def article_input(text: str, image=None) -> CaptionInput:
         blocks = [b for b in text.splitlines() if b.strip()]
     return CaptionInput("request", paragraphs=blocks, image=image)
 
+
 def article_sample(text: str):
     """:func:`article_input` as a :class:`~tellkit.data.sample.CaptionSample` (id ``request``)."""
     return CaptionSample(id="request", caption="", paragraphs=article_input(text).paragraphs)
+
 
 def _bundle(recipe, model_config, device) -> EncoderBundle:
     """The bundle of a checkpoint: its encoders, and its ``data`` section's article context (none
@@ -72,6 +74,7 @@ def _bundle(recipe, model_config, device) -> EncoderBundle:
     return EncoderBundle.for_recipe(recipe, contexts, context_mode=None if "article" in contexts else "none",
                                     object_dim=object_dim, device=device, shared_encoders=_SHARED,
                                     face_max_side=FACE_DETECT_MAX_SIDE)
+
 
 class CaptioningPipeline:
     """A captioning model, the encoder bundle it was trained with, its tokenizer and its
@@ -177,10 +180,12 @@ class CaptioningPipeline:
 
     __call__ = caption
 
+
 def _face_boxes(enc: dict[str, Any]) -> list[dict[str, Any]]:
     if enc.get("face_boxes") is None:
         return []
     return [{"box": [round(float(v), 1) for v in box], "score": round(float(s), 4)}
             for box, s in zip(enc["face_boxes"].tolist(), enc["face_probs"].tolist())]
+
 
 ImageCaptioner = CaptioningPipeline  # the name the server and older code use

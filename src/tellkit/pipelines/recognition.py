@@ -39,6 +39,7 @@ MAX_INPUT_PIXELS = 40_000_000
 class Strokes(list):
     """Pen strokes to recognise: a list of strokes, each a list of (x, y) points (y down)."""
 
+
 class Recognizer:
     """A BTTR checkpoint plus the input preparation it was trained with and its search settings."""
 
@@ -102,6 +103,7 @@ class Recognizer:
                 words = self.vocab.decode(toks)
                 out.append({"latex": " ".join(words), "tokens": words, "score": score})
         return out
+
 
 class BTTRMathRecognizer:
     """Images or strokes -> ``[{"latex", "tokens", "score"}, ...]`` through :class:`Recognizer`.

@@ -49,8 +49,10 @@ def check_static() -> None:
             f"the demo page's files are missing under {STATIC_DIR}: {', '.join(missing)}. KaTeX is installed by "
             "`make setup` from the npm registry; run it, or start with --api-only")
 
+
 class _Refused(Exception):
     """Raised into the app when the request body is refused (the guard answers instead)."""
+
 
 class _FormScanner:
     """Streams a multipart/form-data body beside the app's own parser, keeping no data: every
@@ -127,6 +129,7 @@ class _FormScanner:
         self.error = RequestError(status, code, message)
         raise _Refused()
 
+
 class _Body:
     """The request body as the app reads it, with the guard's bounds: the idle and total body
     timeouts, the byte limit and the text-field checks. ``refusal`` is set when one is hit."""
@@ -200,6 +203,7 @@ class _Body:
             dropped += len(msg.get("body", b""))
             self.done = not msg.get("more_body", False)
 
+
 async def _send_error(send, err: RequestError):
     body = json.dumps({"error": err.code, "detail": err.message}).encode()
     await send({"type": "http.response.start", "status": err.status,
@@ -207,8 +211,10 @@ async def _send_error(send, err: RequestError):
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
 
+
 def _too_large(limits: Limits) -> RequestError:
     return RequestError(413, "request_too_large", f"request body over the limit of {limits.max_upload_bytes:,} bytes")
+
 
 class _RequestGuard:
     """ASGI middleware in front of the app. Every request: a body over ``max_upload_bytes`` is
@@ -271,6 +277,7 @@ class _RequestGuard:
             if body.discard_rest:
                 await body.discard()
             await _send_error(send, body.refusal)
+
 
 def create_app(captioner=None, recognizer=None, limits: Limits | None = None, max_batch: int = 8,
                max_wait_ms: float = 10.0, serve_page: bool = True):
@@ -476,6 +483,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     app.add_middleware(_RequestGuard, limits=limits, counters=counters)
     return app
 
+
 MAX_STROKES, MAX_POINTS = 2_000, 100_000
 
 
@@ -503,6 +511,7 @@ def parse_strokes(text: str):
             raise RequestError(413, "too_many_points", f"more than {MAX_POINTS} points in 'strokes'")
         out.append(pts)
     return Strokes(out)
+
 
 def _version() -> str:
 

@@ -17,6 +17,7 @@ from tellkit.utils.images import decode_image as safe_decode
 IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "BMP": "image/bmp",
                  "GIF": "image/gif"}
 
+
 @dataclass
 class Limits:
     max_upload_bytes: int = 8 * 1024 * 1024     # whole request body
@@ -45,6 +46,7 @@ class Limits:
         if self.max_discard_bytes < 0:
             raise ValueError("max_discard_bytes must be >= 0")
 
+
 class RequestError(Exception):
     """A client error: ``status`` (4xx/5xx), ``code`` (stable, machine-readable), message."""
 
@@ -52,10 +54,12 @@ class RequestError(Exception):
         super().__init__(message)
         self.status, self.code, self.message = status, code, message
 
+
 # tellkit.utils.images.ImageError reasons -> (status, code) of the API
 _IMAGE_ERRORS = {"empty": (400, "empty_file"), "not an image": (415, "not_an_image"),
                  "unsupported format": (415, "unsupported_image_format"), "too many pixels": (413, "image_too_large"),
                  "too small": (422, "image_too_small"), "corrupt or truncated": (400, "corrupt_image")}
+
 
 def decode_image(source, limits: Limits, declared_type: str | None = None, max_side: int | None = None):
     """Bytes (or a binary file) of an uploaded image -> (RGB PIL image no longer than ``max_side``,
@@ -78,6 +82,7 @@ def decode_image(source, limits: Limits, declared_type: str | None = None, max_s
             msg = "the uploaded image file is empty"
         raise RequestError(status, code, msg) from None
     return out.image, (list(out.original_size) if out.resized else None)
+
 
 def check_article(text: str | None, limits: Limits) -> str:
     """Normalise an optional article: None -> "", refuse over-long text (413) and NUL bytes."""

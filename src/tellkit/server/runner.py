@@ -30,11 +30,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         return s.getsockname()[1]
 
+
 def _raw_json_response(status: int, reason: str, code: str, detail: str) -> bytes:
     body = json.dumps({"error": code, "detail": detail}).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n")
     return head.encode("ascii") + body
+
 
 def protocol_class(header_timeout_s: float):
     """uvicorn's h11 protocol with a header timeout and JSON protocol errors."""
@@ -89,6 +91,7 @@ def protocol_class(header_timeout_s: float):
 
     return GuardedH11Protocol
 
+
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, limits=None, **kwargs):
     """A ``uvicorn.Config`` for ``app`` with tellkit's protocol (header timeout from ``limits``,
     else the app's ``state.limits``, else the defaults)."""
@@ -97,11 +100,13 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, limits=None, 
     limits = limits or getattr(getattr(app, "state", None), "limits", None) or Limits()
     return uvicorn.Config(app, host=host, port=port, http=protocol_class(limits.header_timeout_s), **kwargs)
 
+
 def serve(app, host: str, port: int, limits=None, log_level: str = "info") -> None:
     """Run until interrupted (``tellkit serve``)."""
     import uvicorn  # optional
 
     uvicorn.Server(uvicorn_config(app, host, port, limits, log_level=log_level, timeout_graceful_shutdown=5)).run()
+
 
 class ServerThread:
     def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, start_timeout: float = 30.0):
@@ -130,6 +135,7 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(10)
 
+
 def encode_multipart(fields: dict[str, str] | None = None,
                      files: dict[str, tuple[str, bytes, str]] | None = None) -> tuple[bytes, str]:
     """-> (body, content type) of a multipart/form-data request (standard library only)."""
@@ -143,6 +149,7 @@ def encode_multipart(fields: dict[str, str] | None = None,
                      f"Content-Type: {ctype}\r\n\r\n".encode() + data + b"\r\n")
     parts.append(f"--{boundary}--\r\n".encode())
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"
+
 
 def post(url: str, fields=None, files=None, timeout: float = 60.0) -> tuple[int, dict]:
     """POST a multipart form -> (status, parsed JSON body); never raises for HTTP error statuses."""

@@ -65,6 +65,7 @@ class DistInfo:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+
 def setup(device: str | None = None) -> DistInfo:
     """Read torchrun's variables, pick the device, start the process group when needed."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -81,6 +82,7 @@ def setup(device: str | None = None) -> DistInfo:
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
         info.owns_group = True
     return info
+
 
 def teardown(info: DistInfo) -> None:
     if info.owns_group and dist.is_initialized():

@@ -32,11 +32,13 @@ def to_device(obj: Any, device: torch.device) -> Any:
         return type(obj)(to_device(v, device) for v in obj)
     return obj
 
+
 def autocast(device: torch.device, amp_dtype: str | None):
     """Mixed precision on CUDA only; a no-op context elsewhere."""
     if device.type == "cuda" and amp_dtype:
         return torch.autocast("cuda", dtype=getattr(torch, amp_dtype))
     return contextlib.nullcontext()
+
 
 def plain_batches(task: Task, dataset: Dataset, split: str, batch_size: int, *, shuffle: bool, seed: int,
                   epoch: int) -> list[list[int]]:
@@ -52,6 +54,7 @@ def plain_batches(task: Task, dataset: Dataset, split: str, batch_size: int, *, 
         order = list(range(n))
     return [order[i : i + batch_size] for i in range(0, n, batch_size)]
 
+
 def make_loader(task: Task, dataset: Dataset, batches: list[list[int]], num_workers: int, seed: int,
                 pin: bool) -> DataLoader:
     # an explicit generator: creating the iterator must not consume the global RNG (exact resume)
@@ -63,6 +66,7 @@ def make_loader(task: Task, dataset: Dataset, batches: list[list[int]], num_work
         generator=torch.Generator().manual_seed(seed),
         pin_memory=pin,
     )
+
 
 @torch.no_grad()
 def run_eval(
@@ -122,6 +126,7 @@ def run_eval(
         metrics.update(dist.broadcast(scores))
     return metrics, predictions
 
+
 def write_eval_outputs(out_dir: str | Path, split: str, metrics: dict[str, Any], predictions: list[dict[str, Any]],
                        info: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """``metrics_<split>.json`` (summary) and ``predictions_<split>.jsonl`` (one line per example)."""
@@ -134,6 +139,7 @@ def write_eval_outputs(out_dir: str | Path, split: str, metrics: dict[str, Any],
     lines = "".join(json.dumps(p, ensure_ascii=False, default=_jsonable) + "\n" for p in predictions)
     atomic_write_bytes(per_example, lines.encode("utf-8"))
     return summary, per_example
+
 
 def _jsonable(x: Any) -> Any:
     if isinstance(x, torch.Tensor):

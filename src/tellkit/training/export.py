@@ -28,11 +28,13 @@ from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
 MACHINE_LOCAL = {("data", "root"): None, ("train", "init_from"): None,
                  ("train", "num_workers"): TrainConfig.num_workers}
 
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True,
                       note: dict[str, Any] | None = None) -> Path:
 
     model = load_model(checkpoint)
     return _write_inference(model, model.checkpoint_meta, out, half=half, note=note)
+
 
 def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, half: bool = True,
                         note: dict[str, Any] | None = None) -> Path:
@@ -72,11 +74,13 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, h
     sources = [source_name(Path(c)) for c in checkpoints]
     return _write_inference(first, meta, out, half=half, note=note, averaged_from=sources)
 
+
 def source_name(path: Path) -> str:
     """``run/step_00000584`` for a state of a run, else ``parent/folder`` (no machine paths)."""
     path = path.resolve()
     parent = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return f"{parent.name}/{path.name}"
+
 
 def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool,
                      note: dict[str, Any] | None, averaged_from: list[str] | None = None) -> Path:
@@ -93,6 +97,7 @@ def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool
     if note:
         extra["note"] = note
     return model.save_pretrained(out, extra=extra)
+
 
 def write_checkpoint_folder(out: str | Path, write: Callable[[Path], Any], *, replace: bool = False,
                             sources: Sequence[Path] = ()) -> list[str]:

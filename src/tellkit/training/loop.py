@@ -71,6 +71,7 @@ def build_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.opt
         return torch.optim.Adam(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     return torch.optim.Adadelta(groups, lr=cfg.lr, rho=cfg.rho, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
+
 class LRSchedule:
     """lr of each param group = its base lr x ``factor``; the state is three numbers (JSON)."""
 
@@ -126,6 +127,7 @@ class LRSchedule:
         self.plateau_best = d["plateau_best"]
         self.plateau_bad = d["plateau_bad"]
 
+
 def epoch_batches(task: Task, dataset, cfg: TrainConfig, epoch: int, world: int) -> list[list[int]]:
     """The global list of training batches of ``epoch``, a pure function of (seed, epoch).
 
@@ -154,11 +156,13 @@ def epoch_batches(task: Task, dataset, cfg: TrainConfig, epoch: int, world: int)
             p += 1
     return batches[: len(batches) - len(batches) % world]
 
+
 def batch_plan_digest(batches: list[list[int]]) -> str:
     """A short digest of an epoch's batches, saved with the state so a resume can tell whether it
     continues the same order."""
     flat = [[int(i) for i in b] for b in batches]
     return hashlib.sha1(json.dumps(flat, separators=(",", ":")).encode()).hexdigest()[:16]
+
 
 class _CsvLog:
     """Append-only CSV; on resume, rows after the resumed step are dropped (they are redone)."""
@@ -182,6 +186,7 @@ class _CsvLog:
         with open(self.path, "a", newline="", encoding="utf-8") as f:
             csv.DictWriter(f, self.columns).writerow(row)
 
+
 def _tensorboard(run_dir: Path, log):
     try:
         from torch.utils.tensorboard import SummaryWriter  # optional
@@ -189,6 +194,7 @@ def _tensorboard(run_dir: Path, log):
         log("TensorBoard is not installed (pip install 'tellkit[train]'): logging to CSV only")
         return None
     return SummaryWriter(str(run_dir / "tensorboard"))
+
 
 class _StopSignal:
     """First SIGTERM/SIGINT: finish the current step, save, stop. A second SIGINT interrupts."""
@@ -212,12 +218,14 @@ class _StopSignal:
         for sig, old in self._old.items():
             signal.signal(sig, old)
 
+
 def _seed_all(seed: int) -> None:
     import numpy as np  # heavy
 
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
 
 # --- the loop ---------------------------------------------------------------------------------
 @dataclass
@@ -236,6 +244,7 @@ class TrainerState:
     plan: str | None = None  # batch_plan_digest of the current epoch's batches
     window_loss: float = 0.0  # loss x tokens summed since the last log row (restored on resume,
     window_tokens: float = 0.0  # so the first row after a resume equals the unbroken run's)
+
 
 def train(
     recipe: Mapping[str, Any],
@@ -270,6 +279,7 @@ def train(
         return trainer.setup().fit()
     finally:
         distributed.teardown(dist)
+
 
 class Trainer:
     """One run: ``setup`` (run folder, task, model, data, optimizer, schedule, resumed state,

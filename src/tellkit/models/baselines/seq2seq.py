@@ -55,6 +55,7 @@ class Seq2SeqConfig:
         if self.fusion != "none":
             raise ValueError("the seq2seq baseline is text-only: fusion must be 'none'")
 
+
 def _resolve_vocab(cfg: Seq2SeqConfig) -> None:
     """Fill vocab_size and special ids from the tokenizer when the config leaves them open."""
     if cfg.vocab_size is not None and None not in (cfg.pad_id, cfg.bos_id, cfg.eos_id):
@@ -71,6 +72,7 @@ def _resolve_vocab(cfg: Seq2SeqConfig) -> None:
         cfg.bos_id = tok.bos_token_id if tok.bos_token_id is not None else tok.pad_token_id
     if None in (cfg.pad_id, cfg.eos_id, cfg.bos_id):
         raise TellkitError(f"tokenizer '{cfg.backbone}' lacks a pad or eos token")
+
 
 @register_model("seq2seq", Seq2SeqConfig)
 class Seq2Seq(nn.Module, PretrainedMixin):

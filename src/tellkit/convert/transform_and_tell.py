@@ -80,8 +80,40 @@ def convert(state: dict[str, torch.Tensor], num_heads: int = 16, **options: Any)
     num_heads = int(num_heads)
     used: set[str] = set()
     out: dict[str, torch.Tensor] = {}
+    adaptive = _adaptive(state, used, out)
+    n_layers = 0
+    while f"decoder.layers.{n_layers}.conv_layer_norm.weight" in state:
+        n_layers += 1
+    if n_layers == 0:
+        raise TellkitError("the checkpoint has no decoder layers")
+    contexts = [c for c in _CONTEXTS if f"decoder.layers.0.context_attns.{c}.out_proj.weight" in state]
+    ctx_dims: dict[str, int] = {}
+    kernel_sizes = [_layer(state, used, out, i, num_heads, contexts, ctx_dims) for i in range(n_layers)]
+    article_layers = 1
+    if "bert_weight" in state:
+        out["article_mix.weights"] = _take(state, used, "bert_weight")
+        article_layers = out["article_mix.weights"].numel()
+    left = sorted(k for k in state if k not in used and not _SKIP.search(k))
+    if left:
+        raise TellkitError(f"{len(left)} tensor(s) of the checkpoint have no place in the tellkit model "
+                           f"(e.g. {left[:4]}); not the configuration this converter knows")
+    names = [_CONTEXTS[c] for c in contexts]
+    attn0 = "layers.0.context_attn.{}.bias_k"
+    config = {
+        **adaptive, "num_layers": n_layers, "num_heads": num_heads, "ffn_dim": out["layers.0.fc1.weight_v"].shape[0],
+        "kernel_sizes": kernel_sizes, "contexts": names, "article_layers": article_layers, "copy": False,
+        "context_kv_bias": all(attn0.format(n) in out for n in names),
+        "gehring_linear": True, "position_start": 2, "reference_embedding_padding": True,
+    }
+    for name, key in (("image", "image_dim"), ("article", "article_dim"), ("faces", "face_dim"),
+                      ("objects", "object_dim")):
+        if name in ctx_dims:
+            config[key] = ctx_dims[name]
+    return config, out
 
-    # -- adaptive input / softmax ------------------------------------------------------------
+
+def _adaptive(state, used, out: dict) -> dict[str, Any]:
+    """The adaptive input embedder and softmax (its tied copies checked); -> their config fields."""
     n_bands = 0
     while f"{_EMB}.{n_bands}.0.weight" in state:
         n_bands += 1
@@ -107,75 +139,49 @@ def convert(state: dict[str, torch.Tensor], num_heads: int = 16, **options: Any)
             used.add(key)
             if not torch.equal(state[key], out[f"embed.embeddings.{band}.weight"]):
                 raise TellkitError(f"{key} is not tied to adaptive input band {band}")
+    return {"vocab_size": sum(band_sizes), "d_model": d, "adaptive_cutoffs": cutoffs, "adaptive_factor": factor}
 
-    # -- decoder blocks ----------------------------------------------------------------------
-    n_layers = 0
-    while f"decoder.layers.{n_layers}.conv_layer_norm.weight" in state:
-        n_layers += 1
-    if n_layers == 0:
-        raise TellkitError("the checkpoint has no decoder layers")
-    contexts = [c for c in _CONTEXTS if f"decoder.layers.0.context_attns.{c}.out_proj.weight" in state]
-    ctx_dims: dict[str, int] = {}
-    kernel_sizes = []
-    for i in range(n_layers):
-        src, dst = f"decoder.layers.{i}", f"layers.{i}"
-        _linear(state, used, f"{src}.linear1", f"{dst}.conv.linear1", out)
-        _linear(state, used, f"{src}.linear2", f"{dst}.conv.linear2", out)
-        wl = _take(state, used, f"{src}.conv.weight_linear.weight")
-        out[f"{dst}.conv.conv.weight_linear.weight"] = wl
-        if wl.shape[0] % num_heads:
-            raise TellkitError(f"{src}.conv.weight_linear has {wl.shape[0]} outputs, not a multiple of "
-                               f"num_heads={num_heads}")
-        kernel_sizes.append(wl.shape[0] // num_heads)
-        for extra in ("weight_linear.bias", "conv_bias"):
-            if f"{src}.conv.{extra}" in state:
-                raise TellkitError(f"{src}.conv.{extra}: the reference decoder has none; this checkpoint "
-                                   "is another configuration")
-        _copy(state, used, f"{src}.conv_layer_norm", f"{dst}.conv_norm", out)
-        for ref_name in contexts:
-            name = _CONTEXTS[ref_name]
-            a, t = f"{src}.context_attns.{ref_name}", f"{dst}.context_attn.{name}"
-            if f"{a}.in_proj_weight" in state:  # keys as wide as the queries: one stacked matrix
-                q, k, v = _take(state, used, f"{a}.in_proj_weight").chunk(3, dim=0)
-            else:
-                q = _take(state, used, f"{a}.q_proj_weight")
-                k = _take(state, used, f"{a}.k_proj_weight")
-                v = _take(state, used, f"{a}.v_proj_weight")
-            qb, kb, vb = _take(state, used, f"{a}.in_proj_bias").chunk(3, dim=0)
-            for proj, w, bias in (("q_proj", q, qb), ("k_proj", k, kb), ("v_proj", v, vb)):
-                out[f"{t}.{proj}.weight"], out[f"{t}.{proj}.bias"] = w, bias
-            _copy(state, used, f"{a}.out_proj", f"{t}.out_proj", out)
-            for n in ("bias_k", "bias_v"):
-                if f"{a}.{n}" in state:
-                    out[f"{t}.{n}"] = _take(state, used, f"{a}.{n}").reshape(1, 1, -1)
-            ctx_dims[name] = k.shape[1]
-            _copy(state, used, f"{src}.context_attn_lns.{ref_name}", f"{dst}.context_norm.{name}", out)
-        _linear(state, used, f"{src}.context_fc", f"{dst}.context_proj", out)
-        _linear(state, used, f"{src}.fc1", f"{dst}.fc1", out)
-        _linear(state, used, f"{src}.fc2", f"{dst}.fc2", out)
-        _copy(state, used, f"{src}.final_layer_norm", f"{dst}.final_norm", out)
 
-    article_layers = 1
-    if "bert_weight" in state:
-        out["article_mix.weights"] = _take(state, used, "bert_weight")
-        article_layers = out["article_mix.weights"].numel()
+def _layer(state, used, out: dict, i: int, num_heads: int, contexts: list[str], ctx_dims: dict[str, int]) -> int:
+    """Decoder block ``i`` (dynamic convolution, context attentions, feed-forward); -> its kernel size."""
+    src, dst = f"decoder.layers.{i}", f"layers.{i}"
+    _linear(state, used, f"{src}.linear1", f"{dst}.conv.linear1", out)
+    _linear(state, used, f"{src}.linear2", f"{dst}.conv.linear2", out)
+    wl = _take(state, used, f"{src}.conv.weight_linear.weight")
+    out[f"{dst}.conv.conv.weight_linear.weight"] = wl
+    if wl.shape[0] % num_heads:
+        raise TellkitError(f"{src}.conv.weight_linear has {wl.shape[0]} outputs, not a multiple of "
+                           f"num_heads={num_heads}")
+    for extra in ("weight_linear.bias", "conv_bias"):
+        if f"{src}.conv.{extra}" in state:
+            raise TellkitError(f"{src}.conv.{extra}: the reference decoder has none; this checkpoint "
+                               "is another configuration")
+    _copy(state, used, f"{src}.conv_layer_norm", f"{dst}.conv_norm", out)
+    for ref_name in contexts:
+        name = _CONTEXTS[ref_name]
+        ctx_dims[name] = _context_attention(state, used, out, f"{src}.context_attns.{ref_name}",
+                                            f"{dst}.context_attn.{name}")
+        _copy(state, used, f"{src}.context_attn_lns.{ref_name}", f"{dst}.context_norm.{name}", out)
+    _linear(state, used, f"{src}.context_fc", f"{dst}.context_proj", out)
+    _linear(state, used, f"{src}.fc1", f"{dst}.fc1", out)
+    _linear(state, used, f"{src}.fc2", f"{dst}.fc2", out)
+    _copy(state, used, f"{src}.final_layer_norm", f"{dst}.final_norm", out)
+    return wl.shape[0] // num_heads
 
-    left = sorted(k for k in state if k not in used and not _SKIP.search(k))
-    if left:
-        raise TellkitError(f"{len(left)} tensor(s) of the checkpoint have no place in the tellkit model "
-                           f"(e.g. {left[:4]}); not the configuration this converter knows")
-    ffn = out["layers.0.fc1.weight_v"].shape[0]
-    names = [_CONTEXTS[c] for c in contexts]
-    attn0 = "layers.0.context_attn.{}.bias_k"
-    config = {
-        "vocab_size": sum(band_sizes), "d_model": d, "num_layers": n_layers, "num_heads": num_heads,
-        "ffn_dim": ffn, "kernel_sizes": kernel_sizes, "adaptive_cutoffs": cutoffs, "adaptive_factor": factor,
-        "contexts": names, "article_layers": article_layers, "copy": False,
-        "context_kv_bias": all(attn0.format(n) in out for n in names),
-        "gehring_linear": True, "position_start": 2, "reference_embedding_padding": True,
-    }
-    for name, key in (("image", "image_dim"), ("article", "article_dim"), ("faces", "face_dim"),
-                      ("objects", "object_dim")):
-        if name in ctx_dims:
-            config[key] = ctx_dims[name]
-    return config, out
+
+def _context_attention(state, used, out: dict, a: str, t: str) -> int:
+    """One context attention (reference ``a`` -> tellkit ``t``); -> the context's width."""
+    if f"{a}.in_proj_weight" in state:  # keys as wide as the queries: one stacked matrix
+        q, k, v = _take(state, used, f"{a}.in_proj_weight").chunk(3, dim=0)
+    else:
+        q = _take(state, used, f"{a}.q_proj_weight")
+        k = _take(state, used, f"{a}.k_proj_weight")
+        v = _take(state, used, f"{a}.v_proj_weight")
+    qb, kb, vb = _take(state, used, f"{a}.in_proj_bias").chunk(3, dim=0)
+    for proj, w, bias in (("q_proj", q, qb), ("k_proj", k, kb), ("v_proj", v, vb)):
+        out[f"{t}.{proj}.weight"], out[f"{t}.{proj}.bias"] = w, bias
+    _copy(state, used, f"{a}.out_proj", f"{t}.out_proj", out)
+    for n in ("bias_k", "bias_v"):
+        if f"{a}.{n}" in state:
+            out[f"{t}.{n}"] = _take(state, used, f"{a}.{n}").reshape(1, 1, -1)
+    return k.shape[1]

@@ -282,15 +282,12 @@ class _RequestGuard:
 def create_app(captioner=None, recognizer=None, limits: Limits | None = None, max_batch: int = 8,
                max_wait_ms: float = 10.0, serve_page: bool = True):
     """Build the app around already-loaded backends (see :mod:`tellkit.server.backends`).
-    ``captioner`` / ``recognizer`` may be None: their endpoint then answers 503 and /health says so."""
-
+    ``captioner`` / ``recognizer`` may be None: their endpoint then answers 503 and /health says so.
+    The parts: :class:`_RequestGuard` (limits before the app), :func:`add_error_handlers`,
+    :class:`ModelRunner` and :class:`ImageReader` (the work of a request), :func:`response_models`
+    (the schemas) and :func:`add_routes`."""
     fastapi = require("fastapi", "server", "tellkit serve")
     require("python_multipart", "server", "file uploads (python-multipart)")
-    from fastapi import File, Form, UploadFile  # optional
-    from fastapi.exceptions import RequestValidationError  # optional
-    from fastapi.responses import FileResponse, JSONResponse  # optional
-    from fastapi.staticfiles import StaticFiles  # optional
-    from starlette.exceptions import HTTPException as StarletteHTTPException  # optional
 
     limits = limits or Limits()
     if serve_page:
@@ -302,15 +299,14 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         workers["math"] = BatchWorker("math", recognizer.recognize, max_batch, max_wait_ms / 1000, limits.max_queue)
     models = {"caption": captioner.info if captioner is not None else None,
               "math": recognizer.info if recognizer is not None else None}
-
-    decoders = ThreadPoolExecutor(limits.max_decoding, thread_name_prefix="tellkit-decode")
+    reader = ImageReader(limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
         for w in workers.values():  # stop the model threads when the server stops
             w.close()
-        decoders.shutdown(wait=False, cancel_futures=True)
+        reader.close()
 
     extra = {}
     if "form_limits" in inspect.signature(fastapi.FastAPI).parameters:
@@ -320,8 +316,18 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
                           description="Transform and Tell captions and BTTR handwritten-math recognition.", **extra)
     app.state.workers, app.state.limits, app.state.models = workers, limits, models
     counters = {"inflight": 0}
+    add_error_handlers(app, limits)
+    add_routes(app, models, workers, counters, ModelRunner(workers, limits), reader, serve_page)
+    app.add_middleware(_RequestGuard, limits=limits, counters=counters)
+    return app
 
-    # -- errors ---------------------------------------------------------------------------------
+
+def add_error_handlers(app, limits: Limits) -> None:
+    """Every error answers JSON ``{"error": code, "detail": text}`` with its status."""
+    from fastapi.exceptions import RequestValidationError  # optional
+    from fastapi.responses import JSONResponse  # optional
+    from starlette.exceptions import HTTPException as StarletteHTTPException  # optional
+
     @app.exception_handler(RequestError)
     async def _request_error(_req, exc: RequestError):
         return JSONResponse({"error": exc.code, "detail": exc.message}, status_code=exc.status)
@@ -351,8 +357,16 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         return JSONResponse({"error": "internal_error", "detail": f"{type(exc).__name__} (logged on the server)"},
                             status_code=500)
 
-    async def run_model(name: str, item: Any, t0: float):
-        worker = workers.get(name)
+
+class ModelRunner:
+    """Hands one request's input to its model's batching worker and waits for the answer within
+    the request timeout; every failure becomes a :class:`RequestError`."""
+
+    def __init__(self, workers: dict[str, BatchWorker], limits: Limits):
+        self.workers, self.limits = workers, limits
+
+    async def run(self, name: str, item: Any, t0: float):
+        worker, limits = self.workers.get(name), self.limits
         if worker is None:
             what = "captioning" if name == "caption" else "math recognition"
             raise RequestError(503, "model_not_loaded", f"no {what} model is loaded on this server "
@@ -373,18 +387,31 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
             log.exception("%s model failed", name)
             raise RequestError(500, "model_error", f"the {name} model failed: {type(exc).__name__}: {exc}") from None
 
-    def prepare(upload, max_side: int):
+
+class ImageReader:
+    """Decodes uploaded images on ``limits.max_decoding`` dedicated threads: at most that many
+    full-size bitmaps exist at once, and only those threads' malloc arenas ever hold one (on a
+    shared pool of 40 threads each arena keeps its own freed bitmap: measured 466 vs 166 MiB peak
+    growth for 8 concurrent 16 M-pixel uploads). The upload is read from the form parser's
+    spooled file (on disk past 1 MiB), not copied into memory first."""
+
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.pool = ThreadPoolExecutor(limits.max_decoding, thread_name_prefix="tellkit-decode")
+
+    def _decode(self, upload, max_side: int):
         upload.file.seek(0)
-        return decode_image(upload.file, limits, upload.content_type, max_side)
+        return decode_image(upload.file, self.limits, upload.content_type, max_side)
 
-    async def read_image(upload, max_side: int) -> Any:
-        # Decoded on max_decoding dedicated threads: at most that many full-size bitmaps exist at
-        # once, and only those threads' malloc arenas ever hold one (on a shared pool of 40
-        # threads each arena keeps its own freed bitmap: measured 466 vs 166 MiB peak growth for
-        # 8 concurrent 16 M-pixel uploads). The upload is read from the form parser's spooled
-        # file (on disk past 1 MiB), not copied into memory first.
-        return await asyncio.wrap_future(decoders.submit(prepare, upload, max_side))
+    async def read(self, upload, max_side: int) -> Any:
+        return await asyncio.wrap_future(self.pool.submit(self._decode, upload, max_side))
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def response_models() -> dict[str, type]:
+    """The API's JSON schemas (pydantic models): error, caption and recognition responses."""
     from pydantic import BaseModel  # optional
 
     class ErrorBody(BaseModel):
@@ -432,13 +459,24 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         model: dict[str, Any]
         elapsed_ms: float
 
-    def errors(*codes: int) -> dict:
-        text = {400: "unreadable image", 413: "body, image or article over a limit", 415: "not an accepted image",
-                422: "missing field or input the model refuses", 503: "model not loaded or server busy",
-                504: "timed out"}
-        return {c: {"model": ErrorBody, "description": text[c]} for c in codes}
+    return {"error": ErrorBody, "caption": CaptionResponse, "recognize": RecognizeResponse}
 
-    # -- routes ---------------------------------------------------------------------------------
+
+ERROR_TEXT = {400: "unreadable image", 413: "body, image or article over a limit", 415: "not an accepted image",
+              422: "missing field or input the model refuses", 503: "model not loaded or server busy",
+              504: "timed out"}
+
+
+def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRunner, reader: ImageReader,
+               serve_page: bool) -> None:
+    """/health, /api/caption, /api/recognize and (``serve_page``) the demo page."""
+    from fastapi import File, Form, UploadFile  # optional
+    from fastapi.responses import FileResponse  # optional
+    from fastapi.staticfiles import StaticFiles  # optional
+
+    limits, schemas = app.state.limits, response_models()
+    errors = {c: {"model": schemas["error"], "description": ERROR_TEXT[c]} for c in (400, 413, 415, 422, 503, 504)}
+
     @app.get("/health", tags=["status"], summary="Server status and the models it serves")
     def health() -> dict:
         return {"status": "ok", "version": _version(), "models": models,
@@ -446,18 +484,18 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
                 "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__}}
 
     @app.post("/api/caption", tags=["models"], summary="Caption an image, optionally in the context of an article",
-              responses=errors(400, 413, 415, 422, 503, 504), response_model=CaptionResponse)
+              responses=errors, response_model=schemas["caption"])
     async def caption(image: UploadFile = File(..., description="PNG, JPEG, WebP, BMP or GIF"),
                       article: str | None = Form(None, description="article text (optional)")) -> dict:
         t0 = time.perf_counter()
         text = check_article(article, limits)
-        img, original = await read_image(image, limits.caption_max_side)
-        res = await run_model("caption", (img, text), t0)
+        img, original = await reader.read(image, limits.caption_max_side)
+        res = await runner.run("caption", (img, text), t0)
         return {**res, "resized_from": original, "model": models["caption"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
     @app.post("/api/recognize", tags=["models"], summary="Recognise a handwritten math expression as LaTeX",
-              responses=errors(400, 413, 415, 422, 503, 504), response_model=RecognizeResponse)
+              responses=errors, response_model=schemas["recognize"])
     async def recognize(
             image: UploadFile | None = File(None, description="dark ink on a light background, or the reverse"),
             strokes: str | None = Form(None, description="pen strokes instead of an image: JSON "
@@ -468,8 +506,8 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         if strokes is not None:
             item, original = parse_strokes(strokes), None
         else:
-            item, original = await read_image(image, limits.math_max_side)
-        res = await run_model("math", item, t0)
+            item, original = await reader.read(image, limits.math_max_side)
+        res = await runner.run("math", item, t0)
         return {**res, "resized_from": original, "model": models["math"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
@@ -479,9 +517,6 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
             return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
 
         app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
-
-    app.add_middleware(_RequestGuard, limits=limits, counters=counters)
-    return app
 
 
 MAX_STROKES, MAX_POINTS = 2_000, 100_000

@@ -36,7 +36,7 @@ from typing import Any
 from tellkit.config import load_yaml
 from tellkit.data.crohme import collate, load_split, size_batches
 from tellkit.data.latex import Vocab
-from tellkit.data.recognition import make_renderer
+from tellkit.data.recognition import make_renderer, render_config
 from tellkit.errors import TellkitError
 from tellkit.layers.dropout import FastDropout
 from tellkit.recipes import RecognitionData, section
@@ -163,7 +163,7 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
     return {
         "model": "bttr",
         "recipe": recipe,
-        "render": data.render_config().__dict__,
+        "render": render_config(data).__dict__,
         "threads": torch.get_num_threads(),
         "expressions": len(samples),
         "mean_pixels": sum(h * w for h, w in sizes) / len(sizes),

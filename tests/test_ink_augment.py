@@ -308,7 +308,7 @@ def test_subexpressions_of_a_fraction_with_their_own_labels(tmp_path):
     (tmp_path / "f.inkml").write_text(fraction_file())
     d = data_section({"augment": {"subexpr": 0.5}})
     ds = CrohmeDataset([Expression("f", tmp_path / "f.inkml", ["\\frac", "{", "x", "+", "1", "}", "{", "2", "}"])],
-                       render=InkRenderer(BASE), ink_augment=d.ink_augmenter())
+                       render=InkRenderer(BASE), ink_augment=ink_augmenter(d))
     seen = set()
     for seed in range(8):
         torch.manual_seed(seed)

@@ -35,12 +35,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import tempfile
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from tellkit.config import from_dict
 from tellkit.data.inkml import (
     InkExpression,
     InkMLError,
@@ -50,6 +54,7 @@ from tellkit.data.inkml import (
     render_strokes,
     stroke_scale,
 )
+from tellkit.data.latex import normalize
 from tellkit.errors import TellkitError
 
 WHERE = "data.augment"
@@ -252,7 +257,6 @@ def subexpressions(expr: InkExpression, min_symbols: int = 2) -> list[SubExpress
     Only files whose MathML, written as LaTeX, normalises to exactly the file's truth label
     and whose every segmented symbol and every written MathML element are linked one to one
     qualify (most files; those whose MathML disagrees with the truth are left out)."""
-    from tellkit.data.latex import normalize
 
     tree, symbols = expr.mathml, expr.symbols
     if tree is None or not symbols or not expr.truth:
@@ -463,14 +467,7 @@ def measure(root: str | os.PathLike, augment: Mapping[str, Any], render: Mapping
     render cache, rendered as they are, and augmented with ``augment`` (a ``data.augment``
     mapping) and rendered, the symbol bank built from ``bank_files`` files (strokes are read
     beforehand, as the dataset does)."""
-    import tempfile
-    import time
-    from pathlib import Path
-
-    from PIL import Image
-
-    from tellkit.config import from_dict
-    from tellkit.data.inkml import render_strokes
+    from PIL import Image  # heavy
 
     files = sorted((Path(root) / "train").rglob("*.inkml"))
     if not files:

@@ -14,8 +14,8 @@ from torch.nn import functional as F
 from tellkit.config import load_yaml
 from tellkit.layers.fusion import FusionBlock
 from tellkit.models.vg_gplm import VGGPLM, VGGPLMConfig, load_tokenizer, save_tiny_backbone
+from tellkit.recipes import train_config
 from tellkit.tasks.summarization import SummarizationTask
-from tellkit.training.config import train_config
 
 VG = Path(__file__).resolve().parents[1] / "configs" / "vg"
 PAPER = sorted(p for p in VG.glob("how2_*.yaml") if p.name != "how2_bart_tellkit.yaml")

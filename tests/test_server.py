@@ -63,6 +63,25 @@ def client(backends):
 
 
 # --- good inputs --------------------------------------------------------------------------------
+def test_the_page_offers_the_packaged_samples(client):
+    index = client.get("/api/samples").json()
+    names = [s["name"] for s in index["caption"]]
+    assert {"chelsea.jpg", "coffee.jpg", "rocket.jpg"} <= set(names)
+    rocket = next(s for s in index["caption"] if s["name"] == "rocket.jpg")
+    assert rocket["article"] and "Falcon 9" in rocket["article"]
+    assert next(s for s in index["caption"] if s["name"] == "chelsea.jpg")["article"] is None
+    r = client.get(rocket["url"])
+    assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg" and r.content[:2] == b"\xff\xd8"
+    (math,) = index["math"]
+    assert math["latex"] == "x ^ { 2 } + 1" and len(math["strokes"]) >= 4
+    assert all(len(p) == 2 for stroke in math["strokes"] for p in stroke)
+    assert client.get(math["url"]).headers["content-type"] == "image/png"
+    # a sample is named, never a path
+    for bad in ("nope.jpg", "..%2Fapp.py", "%2Fetc%2Fpasswd", "chelsea.txt"):
+        r = client.get("/samples/" + bad)
+        assert r.status_code == 404 and r.json()["error"] == "not_found", bad
+
+
 def test_health_says_which_models_and_that_they_are_untrained(client):
     h = client.get("/health").json()
     assert h["status"] == "ok"

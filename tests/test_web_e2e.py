@@ -174,3 +174,26 @@ def test_math_tab_draw_recognize_and_render(page):
     page.set_input_files("#math-file", str(ROOT / "src" / "tellkit" / "assets" / "samples" / "bttr_x2_plus_1.png"))
     page.wait_for_function("document.getElementById('latex').textContent.length > 0")
     assert "bttr_x2_plus_1.png" in page.inner_text("#math-drop-text")
+
+
+def test_first_visit_offers_samples_one_click_away(page):
+    """The packaged photos are on the page at once; one click captions one (with its article);
+    on the math tab one click draws the sample formula's strokes on the pad and reads them."""
+    page.wait_for_selector("#caption-samples button.sample")
+    names = page.eval_on_selector_all("#caption-samples button.sample", "bs => bs.map(b => b.dataset.sample)")
+    assert {"chelsea.jpg", "rocket.jpg"} <= set(names)
+    page.click("#caption-samples button[data-sample='rocket.jpg']")
+    page.wait_for_selector("#caption-result:not([hidden])")
+    page.wait_for_function("document.getElementById('caption').textContent.length > 0")
+    assert "rocket.jpg" in page.inner_text("#caption-drop-text")
+    assert "Falcon 9" in page.input_value("#article")
+    page.screenshot(path=str(artifact_dir() / "web_e2e_samples.png"), full_page=True)
+    page.click("#tab-math")
+    page.click("#math-sample")
+    page.wait_for_function("document.getElementById('latex').textContent.length > 0 || "
+                           "!document.getElementById('error').hidden")
+    assert page.inner_text("#latex").strip(), page.inner_text("#error")
+    inked = page.evaluate("""() => {
+        const c = document.getElementById('pad'), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let n = 0; for (let i = 0; i < d.length; i += 4) if (d[i] < 128) n++; return n; }""")
+    assert inked > 200  # the strokes were drawn on the pad

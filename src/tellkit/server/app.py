@@ -2,6 +2,8 @@
 
     GET  /                 the page (static/index.html; KaTeX from static/vendor, no CDN)
     GET  /health           status, which models are served (checkpoint, trained or not), queues
+    GET  /api/samples      the packaged sample photos and handwritten formula the page offers
+    GET  /samples/NAME     one of those samples (only the listed names)
     POST /api/caption      multipart: image (file), article (text, optional) -> caption + attention
     POST /api/recognize    multipart: image (file) -> LaTeX
     GET  /openapi.json     the schema (the Swagger/ReDoc pages are off: they load from a CDN)
@@ -34,6 +36,7 @@ from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import Strokes
 from tellkit.server.batching import BatchWorker, QueueFull
 from tellkit.server.limits import Limits, RequestError, check_article, decode_image
+from tellkit.server.samples import sample_file, sample_index
 from tellkit.utils.optional import require
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -471,8 +474,6 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
                serve_page: bool) -> None:
     """/health, /api/caption, /api/recognize and (``serve_page``) the demo page."""
     from fastapi import File, Form, UploadFile  # optional
-    from fastapi.responses import FileResponse  # optional
-    from fastapi.staticfiles import StaticFiles  # optional
 
     limits, schemas = app.state.limits, response_models()
     errors = {c: {"model": schemas["error"], "description": ERROR_TEXT[c]} for c in (400, 413, 415, 422, 503, 504)}
@@ -512,11 +513,31 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
     if serve_page:
-        @app.get("/", include_in_schema=False)
-        def index():
-            return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
+        add_page(app)
 
-        app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+def add_page(app) -> None:
+    """The demo page, its files, and the packaged samples it offers (``/api/samples`` lists
+    them, ``/samples/NAME`` serves one; nothing else is reachable through that route)."""
+    from fastapi.responses import FileResponse  # optional
+    from fastapi.staticfiles import StaticFiles  # optional
+
+    @app.get("/", include_in_schema=False)
+    def index():
+        return FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-store"})
+
+    @app.get("/api/samples", tags=["status"], summary="The packaged sample photos and handwritten formula")
+    def samples() -> dict:
+        return sample_index()
+
+    @app.get("/samples/{name}", include_in_schema=False)
+    def sample(name: str):
+        found = sample_file(name)
+        if found is None:
+            raise RequestError(404, "not_found", f"no sample called {name!r}; GET /api/samples lists them")
+        return FileResponse(found[0], media_type=found[1])
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 
 MAX_STROKES, MAX_POINTS = 2_000, 100_000

@@ -334,4 +334,78 @@ function renderLatex(latex) {
   }
 }
 
+// ---------------------------------------------------------------- packaged samples, one click away
+async function loadSamples() {
+  let index;
+  try {
+    const r = await fetch("/api/samples");
+    if (!r.ok) return;  // an older server: the page works without samples
+    index = await r.json();
+  } catch (_) { return; }
+  const strip = $("caption-samples");
+  (index.caption || []).forEach((s) => {
+    const b = document.createElement("button");
+    b.type = "button";
+    b.className = "sample";
+    b.title = s.article ? `${s.name} (with its article)` : s.name;
+    b.dataset.sample = s.name;
+    const img = document.createElement("img");
+    img.src = s.url;
+    img.alt = s.name;
+    b.appendChild(img);
+    b.addEventListener("click", () => captionSample(s));
+    strip.appendChild(b);
+  });
+  strip.hidden = !(index.caption || []).length;
+  const math = (index.math || [])[0];
+  if (math) {
+    const b = $("math-sample");
+    b.hidden = false;
+    b.title = `${math.name}: pen strokes of ${math.latex}`;
+    b.addEventListener("click", () => mathSample(math));
+  }
+}
+
+async function captionSample(s) {
+  clearError();
+  try {
+    const r = await fetch(s.url);
+    if (!r.ok) throw new Error(`${r.status} ${r.statusText}`);
+    const blob = await r.blob();
+    const file = new File([blob], s.name, { type: blob.type });
+    state.captionFile = file;
+    captionLabel(file);
+    $("article").value = s.article || "";
+  } catch (err) {
+    showError("Could not load the sample: " + err.message);
+    return;
+  }
+  $("caption-form").requestSubmit();
+}
+
+// draws the sample's pen strokes on the pad, scaled to fit, and recognises them like a drawing
+function mathSample(sample) {
+  clearPad();
+  const pts = sample.strokes.flat();
+  const xs = pts.map((p) => p[0]), ys = pts.map((p) => p[1]);
+  const x0 = Math.min(...xs), y0 = Math.min(...ys);
+  const w = Math.max(...xs) - x0 || 1, h = Math.max(...ys) - y0 || 1;
+  const margin = 20;
+  const k = Math.min((pad.width - 2 * margin) / w, (pad.height - 2 * margin) / h);
+  const ox = (pad.width - k * w) / 2, oy = (pad.height - k * h) / 2;
+  pctx.lineWidth = 5; pctx.lineCap = "round"; pctx.lineJoin = "round"; pctx.strokeStyle = "#000";
+  sample.strokes.forEach((stroke) => {
+    const placed = stroke.map(([x, y]) => [ox + (x - x0) * k, oy + (y - y0) * k]);
+    pctx.beginPath();
+    pctx.moveTo(placed[0][0], placed[0][1]);
+    placed.forEach(([x, y]) => pctx.lineTo(x, y));
+    if (placed.length === 1) pctx.lineTo(placed[0][0] + 0.1, placed[0][1] + 0.1);
+    pctx.stroke();
+    state.strokes.push(placed);
+  });
+  state.inked = true;
+  recognize(null, state.strokes);
+}
+
 checkHealth();
+loadSamples();

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,8 @@ def test_table_trains_evaluates_and_prints_every_caption_baseline(tmp_path, shar
                            "--device", "cpu", "--threads", 1)
     assert rc == 0, err
     lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
-    assert lines[0].startswith("| Model | BLEU-4 | ROUGE |") and "CIDEr" in lines[0] and "Best val loss" in lines[0]
+    assert lines[0].startswith("| Model | Encoder | BLEU-4 | ROUGE |") and "CIDEr" in lines[0]
+    assert "Best val loss" in lines[0] and "| mobilenet_v2 |" in lines[2]
     assert len(lines) == 2 + len(rows)
     table = json.loads((out / "table.json").read_text(encoding="utf-8"))
     assert (out / "table.md").read_text(encoding="utf-8") == "\n".join(lines) + "\n"
@@ -80,6 +82,62 @@ def test_table_trains_evaluates_and_prints_every_caption_baseline(tmp_path, shar
     assert rc == 0 and "results exist" in err2
     again = [ln for ln in stdout2.splitlines() if ln.startswith("|")]
     assert again[2] == lines[2] and len(again) == 4
+
+
+@pytest.mark.data
+@pytest.mark.slow
+def test_paper_rows_print_published_figures_and_resume_an_interrupted_row(tmp_path, shared_data, monkeypatch):
+    """The Flickr8k paper rows: the published figures under each row, BLEU-1..3 columns because
+    they are published, and a row whose training was interrupted resumes instead of restarting."""
+    import os
+    import signal
+
+    import yaml
+
+    from tellkit.tasks.captioning import CaptioningTask
+
+    root = shared_data / "flickr8k"
+    papers = ROOT / "configs" / "baselines" / "flickr8k_papers"
+    path = tmp_path / "show_tell.yaml"
+    path.write_text(yaml.safe_dump({"base": str(papers / "show_tell.yaml"), "model": TINY_LSTM,
+                                    "encoders": {"image": "mobilenet_v2"},
+                                    "data": {**SMALL_DATA, "root": str(root), "features": str(tmp_path / "feat")},
+                                    "eval": {**FAST_EVAL, "beam_size": 2}, "train": {"batch_size": 4}}))
+    out = tmp_path / "table"
+    collate, calls = CaptioningTask.collate, []
+
+    def stopped_after_two_batches(self, items):  # as if the person pressed Ctrl-C in the third step
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return collate(self, items)
+
+    monkeypatch.setattr(CaptioningTask, "collate", stopped_after_two_batches)
+    rc, _, err = _cli("table", path, "--budget", 4, "--out", out, "--no-progress", "--device", "cpu")
+    assert rc == 130 and "interrupted" in err
+    assert not (out / f"{tmp_path.name}_show_tell" / "table_row.json").exists()
+    monkeypatch.setattr(CaptioningTask, "collate", collate)
+    rc, stdout, err = _cli("table", path, "--budget", 4, "--out", out, "--no-progress", "--device", "cpu")
+    assert rc == 0, err
+    assert "Show and Tell: resuming" in err
+    resumed = re.search(r"resumed from .* \(step (\d+),", stdout)
+    assert resumed and 2 <= int(resumed.group(1)) < 4, stdout[:2000]
+    (row,) = json.loads((out / "table.json").read_text(encoding="utf-8"))["rows"]
+    assert row["steps"] == 4 and row["published"]["source"].startswith("Vinyals")
+    assert row["published"]["metrics"]["bleu1"] == 63.0
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("|")]
+    assert lines[0].startswith("| Model | Encoder | BLEU-1 | BLEU-4 |")
+    assert lines[3].startswith("| &nbsp;&nbsp;published: Vinyals et al. 2015 | GoogLeNet | 63.00 |")
+
+
+def test_published_figures_are_checked(tmp_path):
+    from tellkit.errors import TellkitError
+    from tellkit.workflows import published_numbers
+
+    assert published_numbers({"source": "X 2015", "bleu4": 19.5}, "r")["metrics"] == {"bleu4": 19.5}
+    for bad in ({"bleu4": 1}, {"source": "X", "bleu4": "high"}, ["source"]):
+        with pytest.raises(TellkitError, match="published"):
+            published_numbers(bad, "r")
 
 
 @pytest.mark.data

@@ -9,9 +9,14 @@ Tell.
 Each recipe trains into ``OUT/<recipe name>/`` (``tellkit train``'s run folder) and its best
 checkpoint is scored on ``--split`` (``OUT/<name>/eval/metrics_<split>.json``). ``--budget``
 caps the optimizer steps of every row (``train.max_steps``); ``key=value`` overrides
-(``--set``) apply to every row. A row whose evaluation file already exists is read back, not
-re-run, unless ``--rerun``. The row label is the recipe's top-level ``row:`` (else its file
-name). ``OUT/table.json`` holds every metric of every row, ``OUT/table.md`` the printed table.
+(``--set``) apply to every row. Interrupt it at any time and run the same command again: a row
+whose evaluation file exists is read back, an unfinished row resumes from its newest saved
+state (saved every 10 minutes and at each validation); ``--rerun`` starts rows over. The row
+label is the recipe's top-level ``row:`` (else its file name); a recipe's ``published:`` block
+(``source``, ``encoder``, metric numbers) is printed as a line under its row, so that the
+paper's figures stand beside the measured ones. ``OUT/table.json`` holds every metric of every
+row, ``OUT/table.md`` the printed table. The work (training rows, the table itself) is
+``tellkit.workflows.table_row``.
 
 Captioning rows: rows whose contexts the task's disk cache cannot hold (per-caption contexts such as
 Flickr8k's ``other_captions``) are encoded once per image / text in memory and shared
@@ -19,12 +24,10 @@ by all rows of the run.
 """
 from __future__ import annotations
 
-import hashlib
+import argparse
 import json
 import shlex
-import shutil
 import sys
-import time
 from pathlib import Path
 
 from tellkit.errors import TellkitError
@@ -58,141 +61,61 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default="runs/table", help="folder for the runs and table.json / table.md")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (torch.set_num_threads)")
-    p.add_argument("--rerun", action="store_true", help="train and evaluate again rows that already have results")
-    p.add_argument("--progress", action="store_true", help="show progress bars")
+    p.add_argument("--rerun", action="store_true",
+                   help="train and evaluate again rows that already have results (an unfinished row starts over)")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                   help="progress bars while training, extracting features and generating (default: on)")
 
 
-# Encoders and their outputs shared by the rows of one table run (process-wide): rows that encode
-# the same images / texts with the same encoders do it once. float16, like the task's disk cache.
-_MEMO: dict[tuple, object] = {}
+# shown before BLEU-4 when a row's published figures give them (the everyday-caption papers do)
+EXTRA_BLEU = [("bleu1", "BLEU-1"), ("bleu2", "BLEU-2"), ("bleu3", "BLEU-3")]
 
 
-def cacheable(recipe) -> bool:
-    """Whether the captioning task's disk cache (data.features) can hold this row's contexts."""
-    from tellkit.registry import model_contexts  # heavy
-
-    contexts = model_contexts(recipe.get("model") or {})
-    return "article" not in contexts or (recipe.get("data") or {}).get("context") != "other_captions"
-
-
-def _task(recipe):
-    """The recipe's task. A captioning task gets an encoder bundle that shares the built encoders
-    and remembers image / article encodings across the rows of this run, in memory."""
-    from tellkit.encoders.bundle import EncoderBundle  # heavy
-    from tellkit.recipes import section  # heavy
-    from tellkit.registry import model_contexts  # heavy
-    from tellkit.tasks import make_task  # heavy
-
-    if recipe.get("task") != "captioning":
-        return make_task(recipe)
-    contexts = model_contexts(section(recipe, "model"))
-    return make_task(recipe, bundle=EncoderBundle.for_recipe(recipe, contexts, shared_encoders=_MEMO, memo=_MEMO))
-
-
-def feature_key(recipe) -> str:
-    """Rows with equal encoders, contexts and data (but for the cache folder) share features."""
-    data = {k: v for k, v in (recipe.get("data") or {}).items() if k != "features"}
-    what = {"encoders": recipe.get("encoders") or {}, "contexts": (recipe.get("model") or {}).get("contexts"),
-            "data": data}
-    return hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def run_row(path, args, log) -> dict:
-    from tellkit.checkpoint import atomic_write_json  # heavy
-    from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path  # heavy
-    from tellkit.errors import TellkitError  # heavy
-    from tellkit.training.loop import train  # heavy
-    from tellkit.workflows import evaluate_checkpoint  # heavy
-
-    cfg_path = resolve_config_path(path)
-    recipe = load_yaml(cfg_path)
-    label = str(recipe.pop("row", cfg_path.stem))
-    extra: dict = {}
-    if args.data:
-        extra["data"] = {"root": args.data}
-    if args.budget:
-        extra["train"] = {"max_steps": int(args.budget), "max_epochs": 10**6}
-    recipe = deep_merge(deep_merge(recipe, extra), parse_overrides(args.overrides))
-    if "task" not in recipe:
-        raise TellkitError(f"{cfg_path}: the recipe has no 'task:'")
-    if recipe["task"] == "captioning":
-        recipe["data"] = dict(recipe.get("data") or {})
-        if not cacheable(recipe):
-            recipe["data"].pop("features", None)  # encoded in memory, shared across rows (see _task)
-        elif args.features:
-            recipe["data"]["features"] = str(Path(args.features) / feature_key(recipe))
-    name = cfg_path.stem if cfg_path.parent.name in ("", ".") else f"{cfg_path.parent.name}_{cfg_path.stem}"
-    run_dir = Path(args.out) / name
-    eval_file = run_dir / "eval" / f"metrics_{args.split}.json"
-    summary_file = run_dir / "table_row.json"
-    if eval_file.is_file() and summary_file.is_file() and not args.rerun:
-        log(f"{label}: results exist in {run_dir} (--rerun to redo)")
-        return json.loads(summary_file.read_text(encoding="utf-8"))
-
-    log(f"{label}: training {cfg_path} -> {run_dir}")
-    task = _task(recipe)
-    if (run_dir / "checkpoints").exists():
-        if not args.rerun:
-            raise TellkitError(f"{run_dir} holds an unfinished row: pass --rerun, or remove the folder")
-
-        shutil.rmtree(run_dir)
-    t0 = time.time()
-    summary = train(recipe, run_dir, task=task, device=args.device, save_every_minutes=None, progress=args.progress)
-    t_train = time.time() - t0
-    if summary["stopped"] == "signal":
-        raise KeyboardInterrupt
-    ckpt = summary["best_checkpoint"] or summary["last_checkpoint"]
-    log(f"{label}: {summary['steps']} steps in {t_train:.0f}s; scoring {ckpt} on {args.split}")
-    t0 = time.time()
-    try:
-        result = evaluate_checkpoint(ckpt, args.split, out=run_dir / "eval", device=args.device,
-                                     progress=args.progress, recipe=recipe, task=task)
-    except TellkitError as exc:
-        raise TellkitError(f"{label}: {exc}") from exc
-    metrics, preds = result.metrics, result.predictions
-    row = {
-        "row": label, "config": str(path), "task": recipe["task"], "family": recipe["model"]["name"],
-        "params": result.parameters, "steps": summary["steps"],
-        "train_seconds": round(t_train, 1), "eval_seconds": round(time.time() - t0, 1), "split": args.split,
-        "n": len(preds), "best_val": summary["best"], "monitor": summary["monitor"], "metrics": metrics,
-        "example": {"prediction": preds[0].get("prediction"),
-                    "reference": (preds[0].get("references") or [preds[0].get("reference")])[0]} if preds else None,
-    }
-    atomic_write_json(summary_file, row)
-    return row
-
-
-def markdown(rows: list[dict]) -> str:
-    """The table: one line per row; a metric column appears when any row has it; a failed row
-    shows its error."""
-    done = [r for r in rows if "error" not in r]
+def _columns(done: list[dict]) -> list[tuple[str, str]]:
+    """The metric columns: the tasks' (a column appears when any row has it), BLEU-1..3 first
+    when a row's published figures have them; every metric for an unknown task."""
     tasks = {r["task"] for r in done}
-    cols = [c for t in sorted(tasks) for c in COLUMNS.get(t, [])]
+    published = {k for r in done for k in ((r.get("published") or {}).get("metrics") or {})}
+    cols = [c for c in EXTRA_BLEU if c[0] in published] + [c for t in sorted(tasks) for c in COLUMNS.get(t, [])]
     seen, columns = set(), []
     for key, title in cols:
         if key not in seen and any(key in r["metrics"] for r in done):
             seen.add(key)
             columns.append((key, title))
-    if not columns:  # an unknown task: every metric
-        columns = [(k, k) for k in sorted({k for r in done for k in r["metrics"]})]
+    return columns or [(k, k) for k in sorted({k for r in done for k in r["metrics"]})]
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table: one line per row, and under a row with published figures a line with them; a
+    failed row shows its error."""
+    done = [r for r in rows if "error" not in r]
+    columns = _columns(done)
     monitors = sorted({r["monitor"] for r in done}) or ["loss"]
-    head = ["Model", *[t for _, t in columns], "Params", "Steps", "Best val " + "/".join(monitors)]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    head = ["Model", "Encoder", *[t for _, t in columns], "Params", "Steps", "Train s",
+            "Best val " + "/".join(monitors)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join(["---", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for r in rows:
         if "error" in r:
             cells = [r["row"], "failed: " + r["error"].replace("|", "/")] + [""] * (len(head) - 2)
             lines.append("| " + " | ".join(cells) + " |")
             continue
-        cells = [r["row"]]
+        cells = [r["row"], str(r.get("encoder") or "")]
         cells += [f"{r['metrics'][k]:.2f}" if k in r["metrics"] else "" for k, _ in columns]
-        cells += [f"{r['params'] / 1e6:.2f}M", str(r["steps"]),
+        cells += [f"{r['params'] / 1e6:.2f}M", str(r["steps"]), f"{r.get('train_seconds', 0):.0f}",
                   f"{r['best_val']:.3f}" if isinstance(r["best_val"], (int, float)) else ""]
         lines.append("| " + " | ".join(cells) + " |")
+        pub = r.get("published")
+        if pub:
+            figures = pub["metrics"]
+            cells = [f"&nbsp;&nbsp;published: {pub['source']}", pub.get("encoder", "")]
+            cells += [f"{figures[k]:.2f}" if k in figures else "" for k, _ in columns] + [""] * 4
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def run(args) -> int:
     from tellkit.checkpoint import atomic_write_bytes, atomic_write_json  # heavy
+    from tellkit.workflows import TableOptions, table_row  # heavy
 
     if args.threads:
         import torch  # heavy
@@ -206,10 +129,13 @@ def run(args) -> int:
     def log(msg: str) -> None:
         print(f"[tellkit table] {msg}", file=sys.stderr, flush=True)
 
+    opts = TableOptions(out=args.out, split=args.split, data=args.data, budget=args.budget,
+                        overrides=args.overrides, features=args.features, device=args.device,
+                        progress=args.progress, rerun=args.rerun)
     rows = []
     for c in args.configs:  # a row that fails (bad recipe, missing file) is reported, the others still run
         try:
-            rows.append(run_row(c, args, log))
+            rows.append(table_row(c, opts, log))
         except TellkitError as exc:
             log(f"{c}: FAILED: {exc}")
             rows.append({"row": str(c), "config": str(c), "error": str(exc)})

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -86,3 +87,101 @@ def test_concurrent_large_uploads_keep_peak_memory_bounded(stub_server):
     res = large_upload_peak(url, pid, n=UPLOADS, path="/api/caption", data=data)  # ... of 16 M pixels each
     assert res["statuses"] == [200], res
     assert res["peak_growth_mib"] < MAX_GROWTH_MIB, res
+
+
+# --- 16 concurrent requests of every kind, on `tellkit serve` with a hostile checkpoint ------------
+# The checkpoint stores the widest, longest search the recipe caps allow (beam 256, 1,024 tokens);
+# the server lowers it to its serving caps (--max-beam-size 16, --max-gen-len 256) and sizes its
+# batches by beam x images (max_search_rows), so its peak stays bounded whatever the checkpoint says.
+MIXED_GROWTH_MIB = 512
+
+
+def _mixed_requests():
+    import json
+
+    from tellkit.pipelines.recognition import SAMPLE_PATH
+    from tellkit.server.runner import encode_multipart
+
+    ink = SAMPLE_PATH.read_bytes()
+    strokes = json.dumps([[[x, (x * 7) % 40] for x in range(0, 200, 5)], [[10, 0], [10, 60]]])
+    kinds = [
+        ("/api/recognize", None, {"image": ("x.png", ink, "image/png")}),
+        ("/api/recognize", {"strokes": strokes}, None),
+        ("/api/recognize", None, {"image": ("big.png", large_png(), "image/png")}),
+        ("/api/recognize", {"strokes": "[" * 1500 + "]" * 1500}, None),
+        ("/api/recognize", {"strokes": "[[[1e308, 1], [-1e308, 2]]]"}, None),
+        ("/api/caption", None, {"image": ("x.png", ink, "image/png")}),
+        ("/api/caption", {"article": "x" * 30_000}, {"image": ("x.png", ink, "image/png")}),
+        ("/api/recognize", None, {"image": ("x.txt", b"not an image", "text/plain")}),
+    ]
+    return [(path, *encode_multipart(fields, files)) for path, fields, files in kinds * 2]
+
+
+def test_sixteen_mixed_requests_on_a_hostile_checkpoint_stay_within_512_mib(tmp_path):
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tellkit.recipes import MAX_BEAM_SIZE, MAX_GENERATION_LEN
+    from tellkit.registry import create_model
+
+    if not os.path.exists("/proc/self/status"):
+        pytest.skip("needs Linux /proc to read the server's peak memory")
+    ckpt = create_model("bttr/tiny").save_pretrained(
+        tmp_path / "wide", extra={"data": {"layout": "inkml"},
+                                  "eval": {"beam_size": MAX_BEAM_SIZE, "max_len": MAX_GENERATION_LEN}})
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tellkit", "serve", "--api-only", "--port", str(port),
+                             "--checkpoint", f"math={ckpt}", "--untrained", "--threads", "2",
+                             "--timeout", "300", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+            try:
+                health = json.loads(urllib.request.urlopen(url + "/health", timeout=2).read())
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        assert health["models"]["math"]["served_with"]["beam_size"] == 16
+        requests = _mixed_requests()
+        if not reset_peak(proc.pid):
+            pytest.skip("this kernel does not allow resetting a process's peak memory (/proc/PID/clear_refs)")
+        idle = _status_mib(proc.pid)["VmRSS"]
+
+        def send(req):
+            path, body, ctype = req
+            r = urllib.request.Request(url + path, data=body, method="POST", headers={"Content-Type": ctype})
+            try:
+                with urllib.request.urlopen(r, timeout=600) as resp:
+                    return resp.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        with ThreadPoolExecutor(len(requests)) as pool:
+            statuses = list(pool.map(send, requests))
+        peak = _status_mib(proc.pid)["VmHWM"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    print(f"server idle {idle} MiB, peak {peak} MiB under {len(requests)} concurrent requests")
+    assert sorted(set(statuses)) == [200, 413, 415, 422], statuses
+    assert peak - idle < MIXED_GROWTH_MIB, (idle, peak)
+
+
+def _status_mib(pid: int) -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) // 1024
+    return out

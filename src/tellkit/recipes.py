@@ -90,6 +90,25 @@ def model_section(recipe: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # --- generation: one config per family, all of one shape -----------------------------------------
+# Caps on a search's work, checked wherever generation settings are read (a checkpoint's stored
+# recipe, a recipe file, a command's flags): a beam of 100,000 or a length of 1e8 would take
+# gigabytes and hours. Models with learned position tables cap max_len further
+# (GenerationSettings.check_positions).
+MAX_BEAM_SIZE = 256
+MAX_GENERATION_LEN = 1024
+
+
+def check_search_setting(name: str, value: Any, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high], else a one-line TellkitError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or int(value) != value:
+        raise TellkitError(f"generation: {name} must be a whole number, got {value!r}")
+    if int(value) < low:
+        raise TellkitError(f"generation: {name} must be at least {low}, got {int(value)}")
+    if high is not None and int(value) > high:
+        raise TellkitError(f"generation: {name} {int(value):,} is over the limit of {high:,}")
+    return int(value)
+
+
 class GenerationSettings:
     """What the generation configs of the families share (they are dataclasses)."""
 
@@ -130,6 +149,24 @@ class GenerationSettings:
         """Keyword arguments of the family's ``model.generate``."""
         return {f: getattr(self, f) for f in self.generation_fields()}
 
+    def _check_search(self, min_len_low: int = 1) -> None:
+        """Every family's bounds: beam_size in [1, MAX_BEAM_SIZE], max_len (when set) in
+        [1, MAX_GENERATION_LEN], min_len / no_repeat_ngram_size (when the family has them)."""
+        self.beam_size = check_search_setting("beam_size", self.beam_size, 1, MAX_BEAM_SIZE)
+        if self.max_len is not None:
+            self.max_len = check_search_setting("max_len", self.max_len, 1, MAX_GENERATION_LEN)
+        if hasattr(self, "min_len"):
+            self.min_len = check_search_setting("min_len", self.min_len, min_len_low, MAX_GENERATION_LEN)
+        if hasattr(self, "no_repeat_ngram_size"):
+            self.no_repeat_ngram_size = check_search_setting("no_repeat_ngram_size", self.no_repeat_ngram_size, 0,
+                                                             MAX_GENERATION_LEN)
+
+    def check_positions(self, positions: int | None, what: str = "the model") -> None:
+        """Refuse a max_len past the positions a model with a fixed position table has."""
+        if positions is not None and self.max_len is not None and int(self.max_len) > int(positions):
+            raise TellkitError(f"generation: max_len {self.max_len:,} is over the {int(positions):,} positions "
+                               f"{what} has")
+
 
 @dataclass
 class CaptionGeneration(GenerationSettings):
@@ -142,13 +179,7 @@ class CaptionGeneration(GenerationSettings):
     no_repeat_ngram_size: int = 0  # >0: never repeat an n-gram of this size
 
     def __post_init__(self) -> None:
-        for name in ("beam_size", "min_len"):
-            if int(getattr(self, name)) < 1:
-                raise TellkitError(f"generation: {name} must be at least 1, got {getattr(self, name)}")
-        if self.max_len is not None and int(self.max_len) < 1:
-            raise TellkitError(f"generation: max_len must be at least 1, got {self.max_len}")
-        if int(self.no_repeat_ngram_size) < 0:
-            raise TellkitError(f"generation: no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        self._check_search(min_len_low=1)
 
 
 GenerationConfig = CaptionGeneration  # the captioners' name for it
@@ -165,9 +196,9 @@ class RecognitionGeneration(GenerationSettings):
     rescore: bool = True
 
     def __post_init__(self) -> None:
-        if int(self.beam_size) < 1 or int(self.max_len) < 1:
-            raise TellkitError(f"generation: beam_size and max_len must be at least 1, "
-                               f"got {self.beam_size}, {self.max_len}")
+        if self.max_len is None:
+            raise TellkitError("generation: max_len must be a whole number, got None")
+        self._check_search()
 
 
 @dataclass
@@ -181,10 +212,11 @@ class SummaryGeneration(GenerationSettings):
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.beam_size < 1 or self.max_len < 1 or self.min_len < 0 or self.no_repeat_ngram_size < 0:
-            raise ValueError("beam_size and max_len must be >= 1, min_len and no_repeat_ngram_size >= 0")
+        if self.max_len is None:
+            raise TellkitError("generation: max_len must be a whole number, got None")
+        self._check_search(min_len_low=0)
         if self.min_len > self.max_len:
-            raise ValueError(f"min_len {self.min_len} is larger than max_len {self.max_len}")
+            raise TellkitError(f"generation: min_len {self.min_len} is larger than max_len {self.max_len}")
 
 
 SummaryGenerationConfig = SummaryGeneration

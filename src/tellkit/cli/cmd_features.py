@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from tellkit.cli import positive_int
 from tellkit.errors import TellkitError
 
 NAME = "features"
@@ -55,7 +56,7 @@ def add_arguments(p) -> None:
                    help="also store the object vectors the data set ships (NYTimes800k); no detector runs")
     p.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"), help="storage dtype")
     p.add_argument("--shard-size", type=int, default=256, help="images per shard (the unit of resumption)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-size", type=positive_int, default=16)
     p.add_argument("--max-pixels", type=int, help="skip images with more pixels (decompression-bomb guard)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from tellkit.cli import positive_int
 from tellkit.errors import TellkitError
 
 NAME = "recognize"
@@ -17,7 +18,7 @@ def add_arguments(p) -> None:
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam size per direction (default: the checkpoint's, 10)")
     p.add_argument("--max-len", type=int, default=None, help="maximum output tokens (default 200)")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="images per search batch (default 8)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 

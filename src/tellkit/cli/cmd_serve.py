@@ -40,6 +40,10 @@ def add_arguments(p) -> None:
                    help="longest silence in seconds while a request body arrives (default 15)")
     p.add_argument("--body-timeout", type=float, default=120.0,
                    help="seconds for a whole request body to arrive (default 120)")
+    p.add_argument("--max-beam-size", type=int, default=16,
+                   help="widest beam served; a checkpoint's wider one is lowered to it (default 16)")
+    p.add_argument("--max-gen-len", type=int, default=256,
+                   help="most tokens generated per answer; a checkpoint's longer max_len is lowered (default 256)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--api-only", action="store_true", help="serve the API without the page")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -113,7 +117,7 @@ def run(args) -> int:
     require("fastapi", "server", "tellkit serve")
     require("uvicorn", "server", "tellkit serve")
     from tellkit.server.app import check_static, create_app  # heavy
-    from tellkit.server.runner import serve  # heavy
+    from tellkit.server.runner import bind, serve  # heavy
 
     if not 0 <= args.port <= 65535:
         raise TellkitError(f"--port {args.port}: out of range")
@@ -121,18 +125,21 @@ def run(args) -> int:
         limits = Limits(max_upload_bytes=int(args.max_upload_mb * 1024 * 1024), max_image_pixels=args.max_image_pixels,
                         max_article_chars=args.max_article_chars, request_timeout_s=args.timeout,
                         max_decoding=args.max_decoding, header_timeout_s=args.header_timeout,
-                        body_idle_timeout_s=args.body_idle_timeout, body_timeout_s=args.body_timeout)
+                        body_idle_timeout_s=args.body_idle_timeout, body_timeout_s=args.body_timeout,
+                        max_beam_size=args.max_beam_size, max_gen_len=args.max_gen_len)
     except ValueError as exc:
         flags = {"max_upload_bytes": "--max-upload-mb", "max_image_pixels": "--max-image-pixels",
                  "max_article_chars": "--max-article-chars", "request_timeout_s": "--timeout",
                  "max_decoding": "--max-decoding", "header_timeout_s": "--header-timeout",
-                 "body_idle_timeout_s": "--body-idle-timeout", "body_timeout_s": "--body-timeout"}
+                 "body_idle_timeout_s": "--body-idle-timeout", "body_timeout_s": "--body-timeout",
+                 "max_beam_size": "--max-beam-size", "max_gen_len": "--max-gen-len"}
         field, _, rest = str(exc).partition(" ")
         raise TellkitError(f"{flags.get(field, field)} {rest}") from None
     if args.max_batch < 1:
         raise TellkitError("--max-batch must be >= 1")
     if not args.api_only:
         check_static()  # fail before loading models, not after
+    sock = bind(args.host, args.port)  # a port in use: one line, before the models load
     if args.threads:
         import torch  # heavy
 
@@ -148,6 +155,12 @@ def run(args) -> int:
         print(f"tellkit serve: WARNING: binding {args.host}: reachable from other machines", file=sys.stderr)
     app = create_app(captioner, recognizer, limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                      serve_page=not args.api_only)
+    for name, b in (("caption", captioner), ("math", recognizer)):
+        low = (b.info.get("served_with") or {}).get("lowered_from") if b is not None else None
+        if low:
+            now = b.info["served_with"]
+            print(f"tellkit serve: {name}: the checkpoint's beam_size {low['beam_size']} / max_len {low['max_len']} "
+                  f"served as {now['beam_size']} / {now['max_len']} (--max-beam-size, --max-gen-len)", file=sys.stderr)
     print(f"tellkit serve: http://{args.host}:{args.port}/", file=sys.stderr)
-    serve(app, args.host, args.port, limits, log_level=args.log_level)
+    serve(app, args.host, args.port, limits, log_level=args.log_level, sock=sock)
     return 0

@@ -45,6 +45,10 @@ RENDERER_VERSION = 1
 
 _XML_ID = "{http://www.w3.org/XML/1998/namespace}id"
 _NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_NOT_FINITE = re.compile(r"(?i)(?<![a-z])(?:nan|inf)")
+# the largest coordinate magnitude a trace may have: beyond it scaling to pixels loses all
+# precision (1e308 overflows to inf and NaN)
+MAX_COORDINATE = 1e9
 
 
 class InkMLError(TellkitError):
@@ -88,12 +92,24 @@ def _local(tag: str) -> str:
 
 def _parse_points(text: str) -> np.ndarray:
     """``"x y [t], x y [t], ..."`` -> [n, 2]; points are comma separated, channels by spaces."""
+    if _NOT_FINITE.search(text):
+        raise ValueError("a coordinate is NaN or infinite")
     rows = []
     for part in text.split(","):
         vals = _NUMBER.findall(part)
         if len(vals) >= 2:
             rows.append((float(vals[0]), float(vals[1])))
-    return np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+    pts = np.asarray(rows, dtype=np.float64).reshape(-1, 2)
+    check_coordinates(pts)
+    return pts
+
+
+def check_coordinates(pts: np.ndarray) -> None:
+    """Refuse NaN, infinite and huge (over :data:`MAX_COORDINATE`) coordinates (ValueError)."""
+    if pts.size and not np.isfinite(pts).all():
+        raise ValueError("a coordinate is NaN or infinite")
+    if pts.size and float(np.abs(pts).max()) > MAX_COORDINATE:
+        raise ValueError(f"a coordinate is over {MAX_COORDINATE:g} in magnitude")
 
 
 def _strip_math(truth: str) -> str:
@@ -127,7 +143,10 @@ def parse_inkml(data: bytes | str, path: str | os.PathLike = "<inkml>", require_
     for el in root.iter():
         tag = _local(el.tag) if isinstance(el.tag, str) else ""
         if tag == "trace":
-            pts = _parse_points(el.text or "")
+            try:
+                pts = _parse_points(el.text or "")
+            except ValueError as exc:
+                raise InkMLError(path, "bad coordinates", str(exc)) from None
             if len(pts):
                 tid = el.get("id") or el.get(_XML_ID)
                 if tid is not None:
@@ -248,7 +267,10 @@ def _as_arrays(strokes: Iterable) -> list[np.ndarray]:
         if a.ndim != 2 or a.shape[1] < 2:
             raise TellkitError("a stroke must be a list of (x, y) points")
         a = a[:, :2]
-        a = a[np.isfinite(a).all(1)]
+        try:
+            check_coordinates(a)
+        except ValueError as exc:
+            raise TellkitError(f"strokes: {exc}") from None
         if len(a):
             out.append(a)
     if not out:

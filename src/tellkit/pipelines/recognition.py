@@ -47,8 +47,9 @@ class Recognizer:
         self.model = model.eval()
         stored = {"data": known_keys(data, RecognitionData), "eval": known_keys(eval_, RecognitionEval)}
         self.data = section(stored, "data", RecognitionData, "checkpoint data")
-        ev = section(stored, "eval", RecognitionEval, "checkpoint eval")
+        ev = section(stored, "eval", RecognitionEval, "checkpoint eval")  # generation settings capped there
         self.beam_size, self.max_len, self.alpha = int(ev.beam_size), int(ev.max_len), float(ev.alpha)
+        self.generation = ev.generation
         self.checkpoint = checkpoint
         self.vocab = Vocab()
         # InkML and strokes: the training renderer (no disk cache for one-off inputs)
@@ -95,10 +96,12 @@ class Recognizer:
                   max_len: int | None = None) -> list[dict[str, Any]]:
         """-> per input {"latex": space-separated tokens, "tokens": list, "score": float}."""
         out = []
+        gen = self.generation.updated(beam_size=beam_size or self.beam_size, max_len=max_len or self.max_len)
+        if isinstance(batch_size, bool) or int(batch_size) < 1:
+            raise TellkitError(f"batch size must be at least 1, got {batch_size}")
         tensors = [self.prepare(it) for it in items]
         for i in range(0, len(tensors), batch_size):
-            res = self.search(tensors[i : i + batch_size], beam_size=beam_size or self.beam_size,
-                              max_len=max_len or self.max_len)
+            res = self.search(tensors[i : i + batch_size], beam_size=gen.beam_size, max_len=gen.max_len)
             for toks, score in zip(res["tokens"], res["scores"]):
                 words = self.vocab.decode(toks)
                 out.append({"latex": " ".join(words), "tokens": words, "score": score})

@@ -59,6 +59,7 @@ class Summarizer:
         data = section(meta, "data", How2DataConfig, "stored recipe: data")
         gen = SummaryGeneration.from_section(meta.get("eval"), **generation)
         model = load_model(ckpt, map_location=dev)
+        gen.check_positions(_position_limit(model), f"the '{meta['family']}' model")
         tok = load_tokenizer(model.config.backbone, ckpt)
         return cls(model, tok, data, gen, checkpoint_info(meta["family"], ckpt, meta), dev)
 
@@ -104,3 +105,11 @@ class Summarizer:
             "frames": 0 if video is None else int(video.shape[0]),
             "video_ignored": features is not None and not self.uses_video,
         }
+
+
+def _position_limit(model: Any) -> int | None:
+    """Decoder positions of a backbone with a learned position table (BART); None for T5's
+    relative positions (no fixed table)."""
+    hf = getattr(getattr(model, "backbone", None), "config", None)
+    n = getattr(hf, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None

@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from tellkit import __version__
+from tellkit.data.inkml import MAX_COORDINATE
 from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import Strokes
+from tellkit.server.backends import bound_generation, public_info
 from tellkit.server.batching import BatchWorker, QueueFull
-from tellkit.server.limits import Limits, RequestError, check_article, decode_image
+from tellkit.server.limits import Limits, RequestError, check_article, check_framing, decode_image, multipart_boundary
 from tellkit.server.samples import sample_file, sample_index
 from tellkit.utils.optional import require
 
@@ -144,9 +146,7 @@ class _Body:
         self.discard_rest = False
         self.scanner = None
         if content_type and content_type.split(b";")[0].strip().lower() == b"multipart/form-data":
-            from python_multipart.multipart import parse_options_header  # optional
-
-            boundary = parse_options_header(content_type)[1].get(b"boundary")
+            boundary = multipart_boundary(content_type)
             if boundary:
                 self.scanner = _FormScanner(boundary, limits.max_article_chars)
 
@@ -235,23 +235,15 @@ class _RequestGuard:
             return await self.app(scope, receive, send)
         limits = self.limits
         headers = dict(scope.get("headers") or [])
-        body = _Body(receive, limits, headers.get(b"content-type"))
-        refusal = None
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                n = int(length)
-            except ValueError:
-                n = None
-                refusal = RequestError(400, "bad_content_length", "invalid Content-Length")
-            if n is not None and n > limits.max_upload_bytes:
-                refusal = _too_large(limits)
+        refusal = check_framing(headers, limits)
+        body = _Body(receive, limits, headers.get(b"content-type") if refusal is None else None)
         api = scope.get("method") == "POST" and scope.get("path", "").startswith("/api/")
         if refusal is None and api and self.counters["inflight"] >= limits.max_inflight:
             refusal = RequestError(503, "busy", f"the server is handling {limits.max_inflight} requests; retry shortly")
         if refusal is not None:
-            # a client waiting for "100 Continue" has not sent its body: answer at once
-            if b"100-continue" not in headers.get(b"expect", b"").lower():
+            # a client waiting for "100 Continue" has not sent its body: answer at once; a body
+            # whose framing is in doubt is not read (the connection closes after the answer)
+            if refusal.code != "bad_framing" and b"100-continue" not in headers.get(b"expect", b"").lower():
                 await body.discard()
             return await _send_error(send, refusal)
 
@@ -296,12 +288,12 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     if serve_page:
         check_static()
     workers: dict[str, BatchWorker] = {}
-    if captioner is not None:
-        workers["caption"] = BatchWorker("caption", captioner.caption, max_batch, max_wait_ms / 1000, limits.max_queue)
-    if recognizer is not None:
-        workers["math"] = BatchWorker("math", recognizer.recognize, max_batch, max_wait_ms / 1000, limits.max_queue)
-    models = {"caption": captioner.info if captioner is not None else None,
-              "math": recognizer.info if recognizer is not None else None}
+    for name, backend in (("caption", captioner), ("math", recognizer)):
+        if backend is not None:  # the search bounded, and fewer images per pass for a wide beam
+            batch = max(1, min(max_batch, limits.max_search_rows // bound_generation(backend, limits)))
+            fn = backend.caption if name == "caption" else backend.recognize
+            workers[name] = BatchWorker(name, fn, batch, max_wait_ms / 1000, limits.max_queue)
+    models = {"caption": public_info(captioner), "math": public_info(recognizer)}
     reader = ImageReader(limits)
 
     @contextlib.asynccontextmanager
@@ -550,6 +542,8 @@ def parse_strokes(text: str):
         data = json.loads(text)
     except ValueError:
         raise RequestError(422, "bad_input", "'strokes' is not valid JSON") from None
+    except RecursionError:
+        raise RequestError(422, "bad_input", "'strokes' is nested too deeply: expected [[[x, y], ...], ...]") from None
     if not isinstance(data, list) or not data or len(data) > MAX_STROKES:
         raise RequestError(422, "bad_input", f"'strokes' must be a list of 1 to {MAX_STROKES} strokes")
     out, n = [], 0
@@ -559,8 +553,10 @@ def parse_strokes(text: str):
         pts = []
         for p in s:
             if (not isinstance(p, list) or len(p) < 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                                 and math.isfinite(v) for v in p[:2])):
-                raise RequestError(422, "bad_input", "each point must be [x, y] with finite numbers")
+                                                                 and math.isfinite(v) and abs(v) <= MAX_COORDINATE
+                                                                 for v in p[:2])):
+                raise RequestError(422, "bad_input", f"each point must be [x, y] with finite numbers of at most "
+                                   f"{MAX_COORDINATE:g} in magnitude")
             pts.append((float(p[0]), float(p[1])))
         n += len(pts)
         if n > MAX_POINTS:

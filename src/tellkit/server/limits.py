@@ -34,10 +34,14 @@ class Limits:
     body_idle_timeout_s: float = 15.0           # longest silence while the body is being received
     body_timeout_s: float = 120.0               # the whole body must arrive within this
     max_discard_bytes: int = 64 * 1024 * 1024   # rest of a refused body read and dropped so the client gets the answer
+    max_beam_size: int = 16                     # a checkpoint's larger beam is served at this width
+    max_gen_len: int = 256                      # a checkpoint's longer max_len is served at this length
+    max_search_rows: int = 64                   # images x beam in one forward pass (smaller batches past it)
 
     def __post_init__(self):
         for name in ("max_upload_bytes", "max_image_pixels", "max_article_chars", "max_queue", "max_inflight",
-                     "max_decoding", "caption_max_side", "math_max_side"):
+                     "max_decoding", "caption_max_side", "math_max_side", "max_beam_size", "max_gen_len",
+                     "max_search_rows"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("request_timeout_s", "header_timeout_s", "body_idle_timeout_s", "body_timeout_s"):
@@ -82,6 +86,39 @@ def decode_image(source, limits: Limits, declared_type: str | None = None, max_s
             msg = "the uploaded image file is empty"
         raise RequestError(status, code, msg) from None
     return out.image, (list(out.original_size) if out.resized else None)
+
+
+MAX_BOUNDARY = 256  # characters of a multipart boundary (RFC 2046 allows 70)
+
+
+def check_framing(headers: dict, limits: Limits) -> RequestError | None:
+    """What the request's headers alone refuse: Content-Length together with Transfer-Encoding
+    (RFC 9112 6.3: a smuggling vector; 400 and the connection is closed), a bad or over-limit
+    Content-Length, a multipart boundary over :data:`MAX_BOUNDARY` characters."""
+    length = headers.get(b"content-length")
+    if length is not None and headers.get(b"transfer-encoding") is not None:
+        return RequestError(400, "bad_framing", "both Content-Length and Transfer-Encoding are given "
+                            "(RFC 9112 section 6.3); send one")
+    if length is not None:
+        if not length.strip().isdigit():
+            return RequestError(400, "bad_content_length", "invalid Content-Length")
+        if int(length) > limits.max_upload_bytes:
+            return RequestError(413, "request_too_large",
+                                f"request body over the limit of {limits.max_upload_bytes:,} bytes")
+    ctype = headers.get(b"content-type") or b""
+    if ctype.split(b";")[0].strip().lower() == b"multipart/form-data":
+        boundary = multipart_boundary(ctype)
+        if boundary is not None and len(boundary) > MAX_BOUNDARY:
+            return RequestError(400, "bad_request", f"the multipart boundary has {len(boundary):,} characters, "
+                                f"over the limit of {MAX_BOUNDARY}")
+    return None
+
+
+def multipart_boundary(content_type: bytes) -> bytes | None:
+    """The boundary parameter of a multipart Content-Type, or None."""
+    from python_multipart.multipart import parse_options_header  # optional
+
+    return parse_options_header(content_type)[1].get(b"boundary") or None
 
 
 def check_article(text: str | None, limits: Limits) -> str:

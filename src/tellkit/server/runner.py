@@ -12,6 +12,7 @@ API's JSON error body instead of plain text. Body timeouts are enforced by the a
 """
 from __future__ import annotations
 
+import errno
 import json
 import socket
 import threading
@@ -20,6 +21,7 @@ import urllib.error
 import urllib.request
 import uuid
 
+from tellkit.errors import TellkitError
 from tellkit.server.limits import Limits
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -101,11 +103,35 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, limits=None, 
     return uvicorn.Config(app, host=host, port=port, http=protocol_class(limits.header_timeout_s), **kwargs)
 
 
-def serve(app, host: str, port: int, limits=None, log_level: str = "info") -> None:
-    """Run until interrupted (``tellkit serve``)."""
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; a port in use or an address this machine does not
+    have is a one-line TellkitError (uvicorn would log a traceback-like block and exit)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except OSError as exc:
+        raise TellkitError(f"--host {host}: cannot be resolved ({exc.strerror or exc})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise TellkitError(f"port {port} on {host} is already in use; stop what holds it or pass "
+                               "--port N") from None
+        raise TellkitError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(app, host: str, port: int, limits=None, log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Run until interrupted (``tellkit serve``) on ``sock`` (from :func:`bind`; bound here when None)."""
     import uvicorn  # optional
 
-    uvicorn.Server(uvicorn_config(app, host, port, limits, log_level=log_level, timeout_graceful_shutdown=5)).run()
+    sock = sock or bind(host, port)
+    uvicorn.Server(uvicorn_config(app, host, port, limits, log_level=log_level,
+                                  timeout_graceful_shutdown=5)).run(sockets=[sock])
 
 
 class ServerThread:

@@ -56,8 +56,7 @@ def reference_state(m) -> dict:
             for n in ("weight", "bias"):
                 ref[f"{dst}.context_attn_lns.{REF_CTX[name]}.{n}"] = sd[f"{src}.context_norm.{name}.{n}"]
     ref["bert_weight"] = sd["article_mix.weights"]
-    ref["resnet.conv1.weight"] = torch.randn(4, 3, 7, 7)  # frozen encoders ride along in best.th
-    ref["roberta.model.decoder.sentence_encoder.embed_tokens.weight"] = torch.randn(5, 4)
+    ref["roberta.model.decoder.sentence_encoder.embed_tokens.weight"] = torch.randn(5, 4)  # frozen, left out
     return ref
 
 
@@ -135,3 +134,41 @@ def test_plain_weight_linears_are_reparametrised():
     _, sd = conv.convert(ref, num_heads=4)
     g, v = sd["layers.0.fc1.weight_g"], sd["layers.0.fc1.weight_v"]
     torch.testing.assert_close(g * v / v.norm(dim=1, keepdim=True), w)
+
+
+def test_the_checkpoint_resnet_and_its_running_statistics_become_the_image_encoder(tmp_path):
+    """best.th holds the reference's ResNet (``resnet.*``, torchvision's layout) with the BatchNorm
+    running statistics its training updated (``model.train()``, gradients off): the converted
+    model's image encoder must be that network, not the ImageNet one."""
+    import json
+
+    from tellkit.checkpoint import read_checkpoint_config
+    from tellkit.encoders.bundle import EncoderBundle
+    from tellkit.encoders.resnet import BLOCKS, ResNet
+
+    torch.manual_seed(0)
+    m = tellkit.create_model("tat/tiny", **TINY, contexts=["image", "article", "faces"]).eval()
+    net = ResNet(BLOCKS["resnet50"])  # tellkit builds 50 / 101 / 152 alike; 50 keeps the test small
+    with torch.no_grad():
+        for name, buf in net.named_buffers():
+            if name.endswith("running_mean") or name.endswith("running_var"):
+                buf.copy_(torch.rand_like(buf) + 0.5)
+    ref = {**reference_state(m), **{f"resnet.{k}": v for k, v in net.state_dict().items()}}
+    torch.save(ref, tmp_path / "best.th")
+    from tellkit.convert import convert_checkpoint
+
+    out = convert_checkpoint(tmp_path / "best.th", tmp_path / "conv", num_heads=4)
+    meta = json.loads((out / "config.json").read_text())
+    assert meta["encoders"] == {"image": "resnet50", "image_weights": "image_encoder.safetensors"}
+    moved = tmp_path / "moved"
+    out.rename(moved)  # the weights file is found beside the model wherever the folder goes
+    enc = EncoderBundle.for_recipe(read_checkpoint_config(moved), ("image",)).image_encoder
+    got = enc.backbone.state_dict()
+    assert set(got) == set(net.state_dict())
+    for k, v in net.state_dict().items():
+        assert torch.equal(got[k], v), k
+    bad = {**reference_state(m), "resnet.conv1.weight": torch.randn(4, 3, 7, 7)}
+    from tellkit.convert import transform_and_tell as conv
+
+    with pytest.raises(tellkit.TellkitError, match="not a ResNet tellkit builds"):
+        conv.encoder_files(bad)

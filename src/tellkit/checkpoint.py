@@ -207,7 +207,21 @@ def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise TellkitError(f"{cfg_path}: 'family' must be a model family name, got a {type(meta['family']).__name__}")
     if not isinstance(meta["config"], dict):
         raise TellkitError(f"{cfg_path}: 'config' must be a mapping, got a {type(meta['config']).__name__}")
+    _resolve_encoder_files(meta, d)
     return meta
+
+
+def _resolve_encoder_files(meta: dict[str, Any], d: Path) -> None:
+    """An ``encoders`` weights entry that names a file inside the checkpoint folder (a bare
+    file name, e.g. the image encoder ``tellkit convert`` writes beside the model) becomes its
+    path, so the folder can move."""
+    enc = meta.get("encoders")
+    if not isinstance(enc, dict):
+        return
+    for key in ("image_weights", "face_weights"):
+        name = enc.get(key)
+        if isinstance(name, str) and name and Path(name).name == name and (d / name).is_file():
+            meta["encoders"] = enc = {**enc, key: str(d / name)}
 
 
 def check_config_values(config: Any, where: str) -> None:

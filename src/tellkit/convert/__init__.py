@@ -20,6 +20,7 @@ executes its code.
 from __future__ import annotations
 
 import importlib
+import inspect
 import io
 import os
 import pickle
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tellkit.checkpoint import atomic_write_bytes, load_model, save_model
+from tellkit.checkpoint import atomic_write_bytes, load_model, max_model_bytes, save_model
 from tellkit.errors import TellkitError
 from tellkit.registry import create_model
 
@@ -72,11 +73,15 @@ _ALLOWED = {
 
 class _SafeUnpickler(pickle.Unpickler):
     """Rebuilds tensors from a PyTorch zip checkpoint with tellkit's own functions; every other
-    class becomes an inert stand-in, so nothing the file names is ever imported or called."""
+    class becomes an inert stand-in, so nothing the file names is ever imported or called.
+    ``scan``: read no tensor data; each storage entry's declared size must be its element count
+    times its element size (a small file whose entry inflates to gigabytes is refused), and
+    ``self.total`` adds them up."""
 
-    def __init__(self, fh, archive: zipfile.ZipFile, prefix: str):
+    def __init__(self, fh, archive: zipfile.ZipFile, prefix: str, scan: bool = False):
         super().__init__(fh)
-        self.archive, self.prefix = archive, prefix
+        self.archive, self.prefix, self.scan = archive, prefix, scan
+        self.total, self.seen = 0, set()
 
     def find_class(self, module: str, name: str):
         if (module, name) in _ALLOWED:
@@ -94,11 +99,27 @@ class _SafeUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
             raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
         _, dtype, key, _location, numel = pid[:5]
-        if not isinstance(dtype, torch.dtype):
+        if not isinstance(dtype, torch.dtype) or not isinstance(numel, int) or numel < 0:
             raise pickle.UnpicklingError("unsupported storage")
-        raw = self.archive.read(f"{self.prefix}/data/{key}")
-        flat = torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
-        return flat[: int(numel)] if int(numel) <= flat.numel() else flat
+        name = f"{self.prefix}/data/{key}" if self.prefix else f"data/{key}"
+        expected = numel * torch.empty(0, dtype=dtype).element_size()
+        try:
+            declared = self.archive.getinfo(name).file_size
+        except KeyError:
+            raise pickle.UnpicklingError(f"storage {key} is missing") from None
+        if declared != expected:
+            raise TellkitError(f"storage entry {key} declares {declared:,} bytes, but its {numel:,} elements of "
+                               f"{dtype} take {expected:,}")
+        if self.scan:
+            if name not in self.seen:
+                self.seen.add(name)
+                self.total += expected
+            return torch.empty(numel, dtype=dtype, device="meta")
+        with self.archive.open(name) as f:
+            raw = f.read(expected + 1)  # never more than declared, whatever the entry inflates to
+        if len(raw) != expected:
+            raise pickle.UnpicklingError(f"storage {key} holds {len(raw):,} bytes, not {expected:,}")
+        return torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
 
 
 _STORAGE_DTYPES = {
@@ -109,7 +130,12 @@ _STORAGE_DTYPES = {
 }
 
 
-def _load_zip_checkpoint(p: Path) -> Any:
+MAX_PICKLE_BYTES = 256 << 20  # a checkpoint's data.pkl (the tensors' bytes are other entries)
+
+
+def _load_zip_checkpoint(p: Path, scan: bool = False) -> Any:
+    """The object a PyTorch zip checkpoint holds, read by :class:`_SafeUnpickler`; ``scan``:
+    only check the storage sizes (see :func:`check_zip_sizes`) and return the unpickler."""
     try:
         archive = zipfile.ZipFile(p)
     except zipfile.BadZipFile:
@@ -119,12 +145,29 @@ def _load_zip_checkpoint(p: Path) -> Any:
         names = [n for n in archive.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
         if not names:
             raise TellkitError(f"{p}: a zip file, but not a PyTorch checkpoint (no data.pkl)")
+        if archive.getinfo(names[0]).file_size > MAX_PICKLE_BYTES:
+            raise TellkitError(f"{p}: its data.pkl declares {archive.getinfo(names[0]).file_size:,} bytes, over "
+                               f"the limit of {MAX_PICKLE_BYTES:,}")
         prefix = names[0].rsplit("/", 1)[0] if "/" in names[0] else ""
         with archive.open(names[0]) as fh:
+            unpickler = _SafeUnpickler(fh, archive, prefix, scan=scan)
             try:
-                return _SafeUnpickler(fh, archive, prefix).load()
+                obj = unpickler.load()
+            except TellkitError as exc:
+                raise TellkitError(f"{p}: {exc}") from None
             except Exception as exc:  # noqa: BLE001 - any failure means an unreadable file
                 raise TellkitError(f"{p}: not a readable PyTorch checkpoint ({exc})") from None
+        return unpickler if scan else obj
+
+
+def check_zip_sizes(p: Path) -> None:
+    """Before any tensor of a PyTorch zip checkpoint is read (by ``torch.load`` or by
+    :class:`_SafeUnpickler`): every storage entry must declare exactly its tensor's size, and
+    they must add up to at most ``max_model_bytes()``."""
+    total, limit = _load_zip_checkpoint(p, scan=True).total, max_model_bytes()
+    if total > limit:
+        raise TellkitError(f"{p}: its tensors take {total / 2**30:.1f} GiB, more than the {limit / 2**30:.1f} GiB "
+                           "limit (TELLKIT_MAX_MODEL_BYTES)")
 
 
 def read_pickled_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -133,12 +176,18 @@ def read_pickled_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     checkpoint) is read by :class:`_SafeUnpickler`, which replaces them by inert stand-ins."""
     p = Path(path)
     if not p.is_file():
-        raise TellkitError(f"{p}: no such file")
+        raise TellkitError(f"{p}: no such file" if not p.exists() else f"{p}: not a regular file")
+    if p.stat().st_size == 0:
+        raise TellkitError(f"{p}: the file is empty")
+    if zipfile.is_zipfile(p):
+        check_zip_sizes(p)
+    elif p.stat().st_size > max_model_bytes():
+        raise TellkitError(f"{p}: {p.stat().st_size / 2**30:.1f} GiB, over the limit (TELLKIT_MAX_MODEL_BYTES)")
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         obj = _load_zip_checkpoint(p)
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError) as exc:
         raise TellkitError(f"{p}: not a readable PyTorch checkpoint ({str(exc).splitlines()[0]})") from None
     if not isinstance(obj, dict):
         raise TellkitError(f"{p}: expected a dict of tensors, found {type(obj).__name__}")
@@ -197,15 +246,72 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: s
         raise TellkitError(f"{out}: exists and is not an empty folder (nothing was written)")
     state = read_state_dict(src)
     family = family or detect_family(state)
+    options = _checked_options(converter(family).convert, options)
     config, new_state = converter(family).convert(state, **options)
-    model = create_model({"name": family, **config})
+    try:
+        model = create_model({"name": family, **config})
+    except TellkitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a config the model cannot be built from
+        raise TellkitError(f"{src}: the converted {family} model does not build "
+                           f"({type(exc).__name__}: {exc})") from None
+    _check_weights(src, model, new_state)
     result = model.load_state_dict(new_state, strict=False)
     missing = [k for k in result.missing_keys if not _is_buffer(model, k)]
     if missing or result.unexpected_keys:
         raise TellkitError(f"{src}: converted weights do not fit the {family} model "
                            f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
-    save_model(model, out, extra={"converted_from": Path(src).name})
+    extra: dict[str, Any] = {"converted_from": Path(src).name}
+    if hasattr(converter(family), "encoder_files"):  # encoder weights the checkpoint carries
+        section, files = converter(family).encoder_files(state)
+        _write_encoder_files(out, files)
+        if section:
+            extra["encoders"] = section
+    save_model(model, out, extra=extra)
     return out
+
+
+def _checked_options(fn, options: dict[str, Any]) -> dict[str, Any]:
+    """The ``-o KEY=VALUE`` options of a converter, each of the kind its default has (a number
+    for ``nhead``, true/false for a flag); an unknown one is refused."""
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for key, value in options.items():
+        if key not in params or key == "state":
+            if takes_any:
+                continue
+            known = ", ".join(k for k in params if k != "state")
+            raise TellkitError(f"-o {key}: not an option of this converter (known: {known})")
+        default = params[key].default
+        kinds = {bool: (bool,), int: (int,), float: (int, float)}.get(type(default))
+        ok = kinds is None or (isinstance(value, kinds) and (kinds == (bool,) or not isinstance(value, bool)))
+        if not ok:
+            what = {bool: "true or false", int: "a whole number", float: "a number"}[type(default)]
+            raise TellkitError(f"-o {key}={value!r}: expected {what}")
+    return options
+
+
+def _check_weights(src, model: torch.nn.Module, new_state: dict[str, torch.Tensor]) -> None:
+    """Converted tensors are refused unless each fits its parameter's kind (no integer tensor for a
+    float parameter) and is finite: ``load_model`` would refuse the checkpoint written from them."""
+    own = model.state_dict()
+    for key, t in new_state.items():
+        target = own.get(key)
+        if target is None or not target.is_floating_point():
+            continue
+        if not t.is_floating_point():
+            raise TellkitError(f"{src}: tensor {key} is {t.dtype}, not floating point like the model's {target.dtype}")
+        if not bool(torch.isfinite(t).all()):
+            raise TellkitError(f"{src}: tensor {key} holds NaN or infinite values")
+
+
+def _write_encoder_files(out: Path, files: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Each {file name: tensors} as a safetensors file in the checkpoint folder ``out``."""
+    from safetensors.torch import save  # heavy
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, tensors in files.items():
+        atomic_write_bytes(out / name, save(tensors, metadata={"format": "pt"}))
 
 
 def _is_buffer(model: torch.nn.Module, key: str) -> bool:

@@ -15,8 +15,12 @@ The reference names (AllenNLP model -> ``decoder`` -> fairseq-style modules) map
     decoder.layers.{i}.context_fc / fc1 / fc2 / final_layer_norm      layers.{i}.context_proj / fc1 / fc2 / final_norm
     bert_weight                                                       article_mix.weights
 
-The frozen encoders stored alongside (``resnet.*``, ``roberta.*``) and buffers (sinusoid tables,
-``_float_tensor``, ``version``) are not part of the tellkit model and are left out. The model is
+The ResNet stored alongside (``resnet.*``: its weights and the BatchNorm running statistics that
+the reference's training updated) is carried into the converted model's image encoder:
+:func:`encoder_files` gives it as ``image_encoder.safetensors``, written beside the model, and
+the checkpoint's ``encoders`` section names it, so the converted model reads the image features
+the reference evaluated with. RoBERTa (``roberta.*``, frozen, no BatchNorm) and buffers (sinusoid
+tables, ``_float_tensor``, ``version``) are not part of the tellkit model and are left out. The model is
 configured as the reference ran it: weight-normalised linears, positions from 2, per-band
 embedding padding. A linear stored without weight normalisation (a plain ``weight``) is split
 into g = row norms and v = weight, which gives the same layer.
@@ -28,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tellkit.encoders.resnet import BLOCKS
 from tellkit.errors import TellkitError
 
 FAMILY = "transform_and_tell"
@@ -37,6 +42,27 @@ _SM = "decoder.adaptive_softmax"
 # reference context name -> tellkit context name, in the reference's concatenation order
 _CONTEXTS = {"image": "image", "article": "article", "faces": "faces", "obj": "objects"}
 _SKIP = re.compile(r"^(resnet|roberta)\.|(^|\.)(_float_tensor|version|weights)$")
+
+
+IMAGE_ENCODER_FILE = "image_encoder.safetensors"
+
+
+def encoder_files(state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """-> (the converted checkpoint's ``encoders`` section, {file name: tensors} to write beside
+    the model): the checkpoint's ResNet (weights and BatchNorm running statistics, in tellkit's
+    ResNet layout, which is torchvision's). Empty when the checkpoint holds no ResNet."""
+    resnet = {k[len("resnet."):]: v for k, v in state.items() if k.startswith("resnet.")}
+    if not resnet:
+        return {}, {}
+    blocks = tuple(len({k.split(".")[1] for k in resnet if k.startswith(f"layer{i}.")}) for i in range(1, 5))
+    name = next((n for n, b in BLOCKS.items() if b == blocks), None)
+    if name is None:
+        raise TellkitError(f"the checkpoint's resnet.* tensors have {blocks} blocks per stage, not a ResNet "
+                           f"tellkit builds ({', '.join(BLOCKS)})")
+    if "fc.weight" not in resnet:  # the reference's feature extractor keeps its (unused) classifier
+        raise TellkitError("the checkpoint's resnet.* tensors have no fc layer; not the reference's ResNet")
+    tensors = {k: v.detach().clone().contiguous() for k, v in resnet.items()}  # own storage each
+    return {"image": name, "image_weights": IMAGE_ENCODER_FILE}, {IMAGE_ENCODER_FILE: tensors}
 
 
 def matches(state: dict[str, torch.Tensor]) -> bool:

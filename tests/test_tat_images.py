@@ -40,3 +40,53 @@ def test_raw_images_are_resized_and_cropped_once():
     torch.testing.assert_close(lz, to_tensor(raw.resize((341, 256), Image.LANCZOS).crop((58, 16, 282, 240))))
     with pytest.raises(ValueError):
         ImageNetTransform(prepared="sometimes")
+
+
+def exif_rotated_jpeg(path, w=40, h=20):
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to show upright"
+    gradient(w, h).save(path, "JPEG", exif=exif.tobytes())
+
+
+def test_dataset_images_as_the_reference_read_them(tmp_path):
+    """The reference opened a data set's image with PIL as stored (no EXIF rotation) and its
+    preparation resized with PIL's ANTIALIAS (Lanczos); a user's own photo is turned upright."""
+    from tellkit.encoders.bundle import CaptionInput, EncoderBundle
+    from tellkit.encoders.preprocess import load_image
+
+    exif_rotated_jpeg(tmp_path / "a.jpg")
+    assert load_image(tmp_path / "a.jpg").size == (20, 40)  # upright
+    assert load_image(tmp_path / "a.jpg", exif=False).size == (40, 20)  # as stored
+    ref = EncoderBundle({"dataset_images": "reference"}, ("image",))
+    ours = EncoderBundle({}, ("image",))
+    data = CaptionInput("a", str(tmp_path / "a.jpg"), from_dataset=True)
+    photo = CaptionInput("a", str(tmp_path / "a.jpg"))
+    assert ref._image(data).size == (40, 20) and ref._resample(data) == "lanczos"
+    assert ref._image(photo).size == (20, 40) and ref._resample(photo) is None
+    assert ours._image(data).size == (20, 40) and ours._resample(data) is None
+
+
+def test_dataset_images_lanczos_through_the_image_encoder():
+    from tellkit.encoders.image import build_image_encoder
+
+    enc = build_image_encoder("mobilenet_v2", "random")
+    raw = gradient(400, 300)
+    assert enc.transform_for("lanczos").resample == "lanczos" and enc.preprocess.resample == "bilinear"
+    torch.testing.assert_close(enc.transform_for("lanczos")(raw),
+                               to_tensor(raw.resize((341, 256), Image.LANCZOS).crop((58, 16, 282, 240))))
+
+
+def test_goodnews_reads_images_processed_before_images(tmp_path):
+    """The reference's GoodNews reader opens ``images_processed/<id>.jpg`` (its own 224 x 224 crops)."""
+    import shutil
+    from pathlib import Path
+
+    from tellkit.data.goodnews import load_goodnews
+
+    fix = Path(__file__).parent / "fixtures" / "goodnews"
+    for name in ("captioning_dataset.json", "img_splits.json"):
+        shutil.copy(fix / name, tmp_path / name)
+    shutil.copytree(fix / "images", tmp_path / "images")
+    shutil.copytree(fix / "images", tmp_path / "images_processed")
+    samples = load_goodnews(tmp_path)
+    assert samples and all(Path(s.image_path).parent.name == "images_processed" for s in samples if s.image_path)

@@ -235,6 +235,10 @@ FACE_DIM = 512
 OBJECT_DIM = 2048
 
 
+ENCODER_MODES = ("frozen", "reference")  # encoders.mode
+DATASET_IMAGES = ("tellkit", "reference")  # encoders.dataset_images
+
+
 @dataclass
 class EncodersConfig:
     """A recipe's ``encoders:`` section (unknown keys are refused)."""
@@ -250,10 +254,24 @@ class EncodersConfig:
     objects: str | None = None  # the detector the precomputed object vectors came from (none ships)
     caption_tokenizer: str | None = None  # None: the packaged RoBERTa BPE
     max_faces: int = MAX_FACES
+    # frozen: image and article encoders in eval mode, features cacheable (data.features);
+    # reference: as the Transform and Tell reference trained them (gradients off, but in train
+    # mode during training steps: BatchNorm batch statistics and running-stat updates, RoBERTa
+    # dropout), so features are computed in each step from the batch and never cached
+    mode: str = "frozen"
+    # how a data set's images are read: tellkit (EXIF-rotated, the encoder's resize filter) or
+    # reference (the pixels as stored, Lanczos resize, as the reference prepared them); a
+    # user's own photo is always EXIF-rotated
+    dataset_images: str = "tellkit"
 
     def __post_init__(self) -> None:
         if self.image_fit not in IMAGE_FITS:
             raise TellkitError(f"encoders.image_fit must be one of {', '.join(IMAGE_FITS)}, got {self.image_fit!r}")
+        if self.mode not in ENCODER_MODES:
+            raise TellkitError(f"encoders.mode must be one of {', '.join(ENCODER_MODES)}, got {self.mode!r}")
+        if self.dataset_images not in DATASET_IMAGES:
+            raise TellkitError(f"encoders.dataset_images must be one of {', '.join(DATASET_IMAGES)}, "
+                               f"got {self.dataset_images!r}")
         if int(self.max_faces) < 0:
             raise TellkitError(f"encoders.max_faces must be >= 0, got {self.max_faces}")
 

@@ -31,7 +31,8 @@ from tellkit.data.nytimes import attach_objects, read_archive_objects
 from tellkit.data.sample import CaptionSample
 from tellkit.errors import TellkitError
 
-IMAGE_DIRS = ("images", "resized", "images_processed", ".")
+# the reference read images_processed (its own 224 x 224 crops); raw folders come after it
+IMAGE_DIRS = ("images_processed", "images", "resized", ".")
 _BRACKETS = re.compile(r"\[[^]]*\]")
 
 

@@ -62,6 +62,7 @@ class CaptionInput:
     image: Any = None  # an already decoded PIL image (wins over image_path)
     faces: Any = None  # precomputed float32 [F, 512] (array-like), or None: detect
     objects: Any = None  # precomputed float32 [O, 2048] (array-like), or None: empty set
+    from_dataset: bool = False  # a data set's image (read as encoders.dataset_images says), not a user's photo
 
 
 def _as_set(values, dim: int, limit: int | None, what: str) -> torch.Tensor:
@@ -129,19 +130,57 @@ class EncoderBundle:
             self.shared_encoders[key] = build()
         return self.shared_encoders[key]
 
+    @property
+    def reference_mode(self) -> bool:
+        """``encoders.mode: reference``: the image and article encoders follow train() / eval()."""
+        return self.config.mode == "reference"
+
+    def _follow(self, encoder):
+        if self.reference_mode and hasattr(encoder, "follows_train_mode"):
+            encoder.follows_train_mode = True
+        return encoder
+
     @functools.cached_property
     def image_encoder(self):
 
         c = self.config
-        return self._shared(("image", c.image, c.image_weights, c.image_fit),
-                            lambda: build_image_encoder(c.image, c.image_weights, c.image_fit).to(self.device))
+        return self._shared(("image", c.image, c.image_weights, c.image_fit, c.mode), lambda: self._follow(
+            build_image_encoder(c.image, c.image_weights, c.image_fit).to(self.device)))
 
     @functools.cached_property
     def article_encoder(self):
         """A Hugging Face encoder, or a static word-vector table (``static``, ``glove:PATH``)."""
 
         spec = None if self.config.article_is_packaged else self.config.article
-        return self._shared(("article", spec), lambda: build_article_encoder(spec).to(self.device))
+        return self._shared(("article", spec, self.config.mode),
+                            lambda: self._follow(build_article_encoder(spec).to(self.device)))
+
+    def to(self, device: str | torch.device) -> EncoderBundle:
+        """Build the encoders on ``device`` from now on, and move those already built there."""
+        device = torch.device(device)
+        if device != self.device:
+            self.device = device
+            for name in ("image_encoder", "article_encoder", "face_encoder"):
+                enc = self.__dict__.get(name)
+                if hasattr(enc, "to"):
+                    enc.to(device)
+        return self
+
+    def train(self, mode: bool = True) -> None:
+        """Put the image and article encoders in train (or eval) mode. Only with
+        ``encoders.mode: reference`` does this change anything (BatchNorm batch statistics and
+        running-stat updates, article-encoder dropout); frozen encoders stay in eval mode."""
+        if not self.reference_mode:
+            return
+        for name in ("image", "article"):
+            if name in self.contexts:
+                enc = self.image_encoder if name == "image" else self.article_encoder
+                if hasattr(enc, "train"):
+                    enc.train(mode)
+
+    def _stochastic(self, encoder) -> bool:
+        """An encoder in train mode gives other features at every call: nothing is memoised."""
+        return bool(getattr(encoder, "training", False))
 
     @functools.cached_property
     def face_encoder(self):
@@ -203,7 +242,7 @@ class EncoderBundle:
         need_faces = "faces" in self.contexts and any(inp.faces is None for inp in inputs)
         pils = [self._image(inp) if ("image" in self.contexts or need_faces or details) else None for inp in inputs]
         if "image" in self.contexts:
-            for item, f in zip(items, self._image_features(pils)):
+            for item, f in zip(items, self._image_features(pils, [self._resample(inp) for inp in inputs])):
                 item["image"] = f
         if "faces" in self.contexts:
             for item, inp, pil in zip(items, inputs, pils):
@@ -226,17 +265,35 @@ class EncoderBundle:
                 item["pil"] = pil
         return items
 
-    def _image_features(self, pils) -> list[torch.Tensor]:
+    def _resample(self, inp: CaptionInput) -> str | None:
+        """A data set's image under ``dataset_images: reference`` is resized with Lanczos (PIL's
+        ANTIALIAS, the reference's preparation); others with the encoder's own filter."""
+        return "lanczos" if inp.from_dataset and self.config.dataset_images == "reference" else None
+
+    def _encode_images(self, pils, resamples) -> list[torch.Tensor]:
+        """One batch through the image encoder (so BatchNorm in train mode sees the whole batch);
+        images whose filters differ are only pre-processed differently."""
+        enc = self.image_encoder
+        if len(set(resamples)) <= 1:
+            kw = {"resample": resamples[0]} if resamples and resamples[0] is not None else {}
+            return list(enc.encode(pils, **kw)[0].float().cpu())
+        device = next(enc.backbone.parameters()).device
+        pixels = torch.stack([enc.transform_for(r)(p) for p, r in zip(pils, resamples)])
+        with torch.no_grad():
+            return list(enc(pixels.to(device))[0].float().cpu())
+
+    def _image_features(self, pils, resamples=None) -> list[torch.Tensor]:
         """float[N, C] per image (remembered in ``memo`` when there is one)."""
-        if self.memo is None:
-            return list(self.image_encoder.encode(pils)[0].float().cpu())
+        resamples = list(resamples) if resamples is not None else [None] * len(pils)
+        if self.memo is None or self._stochastic(self.image_encoder):
+            return self._encode_images(pils, resamples)
 
         c = self.config
-        keys = [("image", c.image, c.image_weights, c.image_fit, p.size, p.mode, hashlib.sha1(p.tobytes()).hexdigest())
-                for p in pils]
+        keys = [("image", c.image, c.image_weights, c.image_fit, r, p.size, p.mode,
+                 hashlib.sha1(p.tobytes()).hexdigest()) for p, r in zip(pils, resamples)]
         todo = [i for i, k in enumerate(keys) if k not in self.memo]
         if todo:
-            feats = self.image_encoder.encode([pils[i] for i in todo])[0].cpu()
+            feats = self._encode_images([pils[i] for i in todo], [resamples[i] for i in todo])
             for i, f in zip(todo, feats):
                 self.memo[keys[i]] = f.half()
         return [self.memo[k].float() for k in keys]
@@ -246,7 +303,8 @@ class EncoderBundle:
         encoded too (its special tokens only)."""
         spec = None if self.config.article_is_packaged else self.config.article
         keys = [("article", spec, self.max_article_tokens, t) for t in texts]
-        todo = list(range(len(texts))) if self.memo is None else [i for i, k in enumerate(keys) if k not in self.memo]
+        memo = None if self._stochastic(self.article_encoder) else self.memo
+        todo = list(range(len(texts))) if memo is None else [i for i, k in enumerate(keys) if k not in memo]
         done: dict[int, dict[str, Any]] = {}
         if todo:
             enc = self.article_encoder
@@ -257,19 +315,20 @@ class EncoderBundle:
                 n = int(res["mask"][j].sum())
                 done[i] = {"hidden": res["hidden"][j, :, :n].float().cpu(), "ids": ids[j, :n].long().cpu(),
                            "tokens": res["tokens"][j], "offsets": res["offsets"][j]}
-                if self.memo is not None:
-                    self.memo[keys[i]] = {**done[i], "hidden": done[i]["hidden"].half()}
-        if self.memo is None:
+                if memo is not None:
+                    memo[keys[i]] = {**done[i], "hidden": done[i]["hidden"].half()}
+        if memo is None:
             return [done[i] for i in range(len(texts))]
-        return [{**self.memo[k], "hidden": self.memo[k]["hidden"].float()} for k in keys]
+        return [{**memo[k], "hidden": memo[k]["hidden"].float()} for k in keys]
 
     def _image(self, inp: CaptionInput):
         if inp.image is not None:
             return inp.image
         if not inp.image_path:
             raise TellkitError(f"{inp.id}: no image")
-
-        return load_image(inp.image_path)
+        # the reference read its data sets' images as stored; a user's photo is turned upright
+        as_stored = inp.from_dataset and self.config.dataset_images == "reference"
+        return load_image(inp.image_path, exif=not as_stored)
 
     def _faces(self, inp: CaptionInput, pil) -> dict[str, Any]:
         """faces float[F, 512] with F <= max_faces, and the detector's boxes float[F, 4] and

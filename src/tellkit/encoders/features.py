@@ -82,7 +82,8 @@ class FeatureConfig:
         later = {"objects": (self.objects, False), "max_article_tokens": (self.max_article_tokens, 512),
                  "max_faces": (e.max_faces, EncodersConfig.max_faces),
                  "face_standardization": (e.face_standardization, None),
-                 "image_fit": (e.image_fit, EncodersConfig.image_fit)}
+                 "image_fit": (e.image_fit, EncodersConfig.image_fit),
+                 "dataset_images": (e.dataset_images, EncodersConfig.dataset_images)}
         d.update({k: v for k, (v, default) in later.items() if v != default})
         if self.article:  # article states made with the earlier context builder are not reused
             d["context_policy"] = self.context_policy

@@ -93,11 +93,15 @@ class ImageEncoder(nn.Module):
         self.backbone = backbone
         self.out_dim: int = backbone.out_dim
         self.preprocess = transform or ImageNetTransform()
+        # False (frozen): BatchNorm always uses its running statistics; True: train() is obeyed,
+        # so a training step normalises with the batch's statistics and updates the running
+        # ones (the Transform and Tell reference's mode; gradients stay off either way)
+        self.follows_train_mode = False
         self.requires_grad_(False)
         self.eval()
 
-    def train(self, mode: bool = True) -> ImageEncoder:  # frozen: BatchNorm stays in eval
-        return super().train(False)
+    def train(self, mode: bool = True) -> ImageEncoder:
+        return super().train(mode and self.follows_train_mode)
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float[B, 3, H, W] (normalised) -> (feats float[B, N, C], mask bool[B, N])."""
@@ -105,11 +109,20 @@ class ImageEncoder(nn.Module):
         feats = grid.flatten(2).transpose(1, 2).contiguous()  # [B, C, h, w] -> [B, h*w, C]
         return feats, torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
 
+    def transform_for(self, resample: str | None = None) -> ImageNetTransform:
+        """The pre-processing, with another resize filter when ``resample`` is given."""
+        t = self.preprocess
+        if resample is None or resample == t.resample:
+            return t
+        return ImageNetTransform(resize=t.resize, crop=t.crop, mean=t.mean, std=t.std, prepared=t.prepared,
+                                 resample=resample, fit=t.fit)
+
     @torch.no_grad()
-    def encode(self, images: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
-        """PIL images (any mode) -> (feats float[B, N, C], mask bool[B, N])."""
+    def encode(self, images: Sequence[Image.Image], resample: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """PIL images (any mode) -> (feats float[B, N, C], mask bool[B, N]). ``resample``: the
+        resize filter for these images (None: the encoder's own)."""
         device = next(self.backbone.parameters()).device
-        return self(self.preprocess.batch(list(images)).to(device))
+        return self(self.transform_for(resample).batch(list(images)).to(device))
 
     @torch.no_grad()
     def classify(self, images: Sequence[Image.Image]) -> torch.Tensor:

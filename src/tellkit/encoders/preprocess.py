@@ -2,7 +2,7 @@
 
 Contract used across the project::
 
-    load_image(path, max_pixels=None) -> PIL.Image.Image   # RGB, EXIF orientation applied
+    load_image(path, max_pixels=None, exif=True) -> PIL.Image.Image   # RGB, EXIF orientation applied
     to_rgb(img) -> PIL.Image.Image                          # any PIL mode -> RGB
     ImageNetTransform(resize=256, crop=224, fit="crop")(img) -> float[3, crop, crop]
 
@@ -74,9 +74,10 @@ def to_rgb(img: Image.Image, background: tuple[int, int, int] = (255, 255, 255))
     return img.convert("RGB")
 
 
-def load_image(path: str | os.PathLike, max_pixels: int | None = None) -> Image.Image:
-    """Open an image file as RGB with its EXIF orientation applied (see module docstring)."""
-    return open_image(path, max_pixels=max_pixels, mode="RGB", formats=IMAGE_FORMATS)
+def load_image(path: str | os.PathLike, max_pixels: int | None = None, exif: bool = True) -> Image.Image:
+    """Open an image file as RGB with its EXIF orientation applied (see module docstring);
+    ``exif=False``: the pixels as stored (a data set's image as the reference read it)."""
+    return open_image(path, max_pixels=max_pixels, mode="RGB", formats=IMAGE_FORMATS, exif=exif)
 
 
 RESAMPLE = {"bilinear": Image.BILINEAR, "lanczos": Image.LANCZOS, "bicubic": Image.BICUBIC}

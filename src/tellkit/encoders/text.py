@@ -59,11 +59,14 @@ class ArticleEncoder(nn.Module):
         self.max_tokens: int = min(limits)
         self.num_special: int = self.tokenizer.num_special_tokens_to_add(pair=False)
         self._caption_tokenizer = caption_tokenizer
+        # False (frozen): dropout always off; True: train() is obeyed, so a training step applies
+        # the encoder's dropout (the Transform and Tell reference's mode; gradients stay off)
+        self.follows_train_mode = False
         self.requires_grad_(False)
         self.eval()
 
-    def train(self, mode: bool = True) -> ArticleEncoder:  # frozen: dropout stays off
-        return super().train(False)
+    def train(self, mode: bool = True) -> ArticleEncoder:
+        return super().train(mode and self.follows_train_mode)
 
     @property
     def caption_tokenizer(self) -> CaptionTokenizer:

@@ -58,6 +58,7 @@ from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores, resolve_model, tra
 from tellkit.recipes import CaptionDataConfig, CaptionEvalConfig, EncodersConfig, section
 from tellkit.registry import model_contexts
 from tellkit.tasks import register_task
+from tellkit.training.evaluation import to_device
 from tellkit.training.task import Task
 
 
@@ -69,7 +70,7 @@ def sample_input(s: CaptionSample, context_mode: str = "location_aware") -> Capt
     none = context_mode == "none"
     # a recorded face set, even an empty one, is what the data set found; None (no record): detect
     return CaptionInput(s.image_id or s.id, s.image_path, "" if none else s.title, [] if none else list(s.paragraphs),
-                        where, faces=s.extra.get("faces"), objects=s.extra.get("objects"))
+                        where, faces=s.extra.get("faces"), objects=s.extra.get("objects"), from_dataset=True)
 
 
 def dataset_inputs(fmt: str, root: str, split: str | None = None, limit: int | None = None,
@@ -167,14 +168,25 @@ class CaptionDataset(Dataset):
     def lengths(self) -> list[int]:
         """Caption + article tokens of each item (the cost used for length buckets)."""
         if self._lengths is None:
-            self._lengths = [len(c) + (self[i]["article"].shape[1] if "article" in self.task.contexts else 0)
+            self._lengths = [len(c) + (self._article_length(i) if "article" in self.task.contexts else 0)
                              for i, c in enumerate(self.caption_ids)]
         return self._lengths
+
+    def _article_length(self, i: int) -> int:
+        if not self.task.encodes_in_step:
+            return self[i]["article"].shape[1]
+        bundle = self.task.bundle  # features come later, in the step: count the context's tokens
+        enc = bundle.article_encoder
+        text = bundle.context_text(sample_input(self.samples[i], self.task.data.context))
+        return min(enc.count_tokens(text) + enc.num_special, bundle.max_article_tokens, enc.max_tokens)
 
     def __getitem__(self, i: int) -> CaptionItem:
         s = self.samples[i]
         item: dict[str, Any] = {"id": s.id, "image_id": s.image_id, "references": self.refs[i],
                                 "caption": torch.tensor(self.caption_ids[i], dtype=torch.long)}
+        if self.task.encodes_in_step:  # encoders.mode: reference: the step encodes the whole batch
+            item["input"] = sample_input(s, self.task.data.context)
+            return item  # type: ignore[return-value]
         feats = self.task.encode_sample(s) if self.store is None else self.store[s.image_id or s.id]
         for name in ("image", "faces", "objects", "article", "article_ids"):
             if name.split("_")[0] in self.task.contexts:
@@ -195,6 +207,9 @@ class CaptioningTask(Task):
         self.eval = section(self.recipe, "eval", CaptionEvalConfig)
         self.encoders = section(self.recipe, "encoders", EncodersConfig)
         self.contexts = model_contexts(self.model_cfg)
+        if self.encoders.mode == "reference" and self.data.features:
+            raise TellkitError("data.features cannot be used with encoders.mode: reference (its features depend on "
+                               "each batch); remove data.features or set encoders.mode: frozen")
         self.monitor = self.eval.monitor
         self.monitor_mode = "min" if self.monitor == "loss" else "max"
         self._bundle = bundle
@@ -242,8 +257,33 @@ class CaptioningTask(Task):
         """Context tensors of one sample with the frozen encoders (no cache)."""
         return self.bundle.encode([sample_input(s, self.data.context)])[0]  # type: ignore[return-value]
 
+    @property
+    def encodes_in_step(self) -> bool:
+        """``encoders.mode: reference``: the encoders run on each batch in the training (or
+        evaluation) step, in the model's mode, instead of once per item in the dataset."""
+        return self.encoders.mode == "reference"
+
     def collate(self, samples: list[CaptionItem]) -> CaptionBatch:
+        if self.encodes_in_step:  # the items, encoded by on_device
+            return {"items": list(samples)}  # type: ignore[return-value]
         return collate_captions(samples, self.contexts, self.tokenizer.pad_id)
+
+    def on_device(self, batch, model):
+        """With ``encoders.mode: reference``: the batch's images and articles through the
+        encoders, on the model's device, in train mode when the model is training (BatchNorm
+        batch statistics and running-stat updates, article dropout; no gradients), as the
+        reference's ``model.train()`` ran them."""
+        if not (isinstance(batch, Mapping) and "items" in batch):
+            return batch
+        device = next(model.parameters()).device
+        bundle = self.bundle
+        bundle.to(device)
+        bundle.train(model.training)
+        feats = bundle.encode([it["input"] for it in batch["items"]])
+        names = [n for n in ("image", "faces", "objects", "article", "article_ids") if n.split("_")[0] in self.contexts]
+        items = [{**{k: v for k, v in it.items() if k != "input"}, **{n: f[n] for n in names}}
+                 for it, f in zip(batch["items"], feats)]
+        return to_device(collate_captions(items, self.contexts, self.tokenizer.pad_id), device)
 
     def batch_sampler(self, dataset, split, *, shuffle, seed, epoch):
         max_tokens = section(self.recipe, "train").get("max_tokens")

@@ -98,7 +98,7 @@ def run_eval(
         it = loader
     try:
         for bi, batch in zip(mine, it):
-            batch = to_device(batch, dist.device)
+            batch = task.on_device(to_device(batch, dist.device), model)
             if with_loss:
                 with autocast(dist.device, amp_dtype):
                     out = model(batch)

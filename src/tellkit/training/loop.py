@@ -504,7 +504,7 @@ class Trainer:
         step_loss = torch.zeros((), dtype=torch.float64, device=dist.device)
         step_tok = torch.zeros((), dtype=torch.float64, device=dist.device)
         for i, batch in enumerate(group):
-            batch = to_device(batch, dist.device)
+            batch = self.task.on_device(to_device(batch, dist.device), self.model)
             sync = i == len(group) - 1
             with (self.ddp_model.no_sync() if dist.enabled and not sync else nullcontext()):
                 with autocast(dist.device, self.amp_dtype):

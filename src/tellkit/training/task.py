@@ -52,6 +52,12 @@ class Task:
     def collate(self, samples: list[Any]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def on_device(self, batch: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+        """The batch the model reads, from the collated ``batch`` once it is on the model's
+        device; called by the training step and the evaluator (``model.training`` tells which),
+        e.g. to run encoders in the step. Default: the batch as it is."""
+        return batch
+
     def batch_sampler(self, dataset: Dataset, split: str, *, shuffle: bool, seed: int,
                       epoch: int) -> Iterable[list[int]] | None:
         """Optional: lists of indices (e.g. length buckets with a token cap). None = fixed-size batches."""

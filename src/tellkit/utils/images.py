@@ -80,17 +80,19 @@ def max_pixels_default() -> int:
 
 
 def open_image(source: Source, max_pixels: int | None = None, mode: str = "RGB", max_side: int | None = None,
-               formats: tuple[str, ...] | None = SAFE_FORMATS, min_side: int = 1):
+               formats: tuple[str, ...] | None = SAFE_FORMATS, min_side: int = 1, exif: bool = True):
     """Decode an untrusted image safely (see the module docstring) -> PIL image in ``mode``."""
     return decode_image(source, max_pixels=max_pixels, mode=mode, max_side=max_side, formats=formats,
-                        min_side=min_side).image
+                        min_side=min_side, exif=exif).image
 
 
 def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB", max_side: int | None = None,
-                 formats: tuple[str, ...] | None = SAFE_FORMATS, min_side: int = 1) -> DecodedImage:
+                 formats: tuple[str, ...] | None = SAFE_FORMATS, min_side: int = 1, exif: bool = True) -> DecodedImage:
     """``source``: a path, the file's bytes, or a binary file object. ``mode``: "RGB" or "L".
     ``max_side``: shrink (never enlarge) so the longer side is at most this. ``formats``: PIL
-    format names accepted (None: any format PIL can read). Raises :class:`ImageError`."""
+    format names accepted (None: any format PIL can read). ``exif``: turn the image upright as
+    its EXIF orientation says (False: the pixels as stored, as the Transform and Tell reference
+    read its data sets' images). Raises :class:`ImageError`."""
     from PIL import Image, UnidentifiedImageError  # heavy
 
     if mode not in ("RGB", "L"):
@@ -115,7 +117,7 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
                 if min(w, h) < min_side:
                     raise ImageError(f"{where}image is {w}x{h}; each side must be at least {min_side} pixels",
                                      "too small")
-                orientation = _orientation(img)
+                orientation = _orientation(img) if exif else 1
                 upright = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
                 out = _decode_small(img, mode, max_side)
     except ImageError:

@@ -107,6 +107,10 @@ class _SafeUnpickler(pickle.Unpickler):
             declared = self.archive.getinfo(name).file_size
         except KeyError:
             raise pickle.UnpicklingError(f"storage {key} is missing") from None
+        info = self.archive.getinfo(name)
+        if declared > _MAX_PLAIN and declared > _MAX_INFLATION * info.compress_size:
+            raise TellkitError(f"storage entry {key} inflates {info.compress_size:,} bytes to {declared:,} (PyTorch "
+                               "stores tensors uncompressed)")
         if declared != expected:
             raise TellkitError(f"storage entry {key} declares {declared:,} bytes, but its {numel:,} elements of "
                                f"{dtype} take {expected:,}")
@@ -121,6 +125,10 @@ class _SafeUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"storage {key} holds {len(raw):,} bytes, not {expected:,}")
         return torch.frombuffer(bytearray(raw), dtype=dtype) if raw else torch.empty(0, dtype=dtype)
 
+
+# a storage entry over 16 MiB that inflates more than 100-fold is refused: PyTorch writes tensors
+# uncompressed, and a re-zipped checkpoint of real weights shrinks far less
+_MAX_PLAIN, _MAX_INFLATION = 16 << 20, 100
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,

@@ -80,3 +80,22 @@ def test_summarize_cli_prints_the_pipeline_summary(ckpt, tmp_path):
     assert res["summary"] == Summarizer.load(ckpt).summarize(TEXTS[0], video)["summary"] and res["frames"] == 3
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         assert cli_main(["summarize", "--transcript", str(tmp_path / "t.txt"), "--checkpoint", str(ckpt)]) == 2
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_the_source_is_built_as_training_built_it(ckpt, special, monkeypatch):
+    """``data.source_special_tokens: false`` (the reference's data builder: no <s> / </s> around
+    the transcript) holds at inference too."""
+    s = Summarizer.load(ckpt)
+    s.data.source_special_tokens = special
+    seen = {}
+
+    def fake_generate(batch, **kw):
+        seen["ids"] = batch["input_ids"][0].tolist()
+        return {"tokens": [[0, 2]]}
+
+    monkeypatch.setattr(s.model, "generate", fake_generate)
+    s.summarize(TEXTS[0], np.zeros((2, 12), np.float32))
+    plain = {} if special else {"add_special_tokens": False}
+    assert seen["ids"] == s.tokenizer("learn " + TEXTS[0], max_length=9, truncation=True, **plain)["input_ids"]
+    assert (seen["ids"][0] == s.tokenizer.bos_token_id) == special

@@ -92,7 +92,8 @@ class Summarizer:
                     raise TellkitError("video features contain NaN or infinity")
                 video = np.ascontiguousarray(arr[: self.data.max_frames])
         tok = self.tokenizer
-        enc = tok(self.data.source_prefix + transcript, max_length=self.data.max_source_tokens, truncation=True)
+        enc = tok(self.data.source_prefix + transcript, max_length=self.data.max_source_tokens, truncation=True,
+                  add_special_tokens=self.data.source_special_tokens)  # as training built the source
         sample = {"id": "input", "input_ids": list(enc["input_ids"]), "labels": [tok.pad_token_id], "video": video,
                   "summary": ""}
         batch = collate_how2([sample], tok.pad_token_id, video_dim=dim, frames=None)

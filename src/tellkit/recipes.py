@@ -24,6 +24,7 @@ imports only :mod:`tellkit.config` and :mod:`tellkit.errors`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -477,8 +478,11 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and int(v) < 1:
                 raise TellkitError(f"train.{name} must be >= 1 or null, got {v}")
-        if self.lr <= 0:
-            raise TellkitError(f"train.lr must be positive, got {self.lr}")
+        if not self.lr > 0 or not math.isfinite(self.lr):
+            raise TellkitError(f"train.lr must be a positive finite number, got {self.lr}")
+        for name in ("eps", "weight_decay", "rho", "step_gamma", "plateau_factor", "clip_norm", "max_grad_norm"):
+            if not math.isfinite(float(getattr(self, name))) or float(getattr(self, name)) < 0:
+                raise TellkitError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if len(self.betas) != 2:
             raise TellkitError(f"train.betas must be two numbers, got {self.betas}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]

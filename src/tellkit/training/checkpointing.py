@@ -257,6 +257,44 @@ def apply_state(saved: SavedState, model: nn.Module, optimizer: torch.optim.Opti
     return state
 
 
+def fits_run(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             epoch_length: Callable[[int], int]) -> Callable[[SavedState], None]:
+    """A ``check`` for :meth:`CheckpointManager.find_resume`: every saved weight has its model
+    tensor's shape, every per-parameter optimizer tensor its parameter's shape, and the data
+    position is within its epoch (``epoch_length(epoch)``: the batches of that epoch)."""
+    own = model.state_dict()
+
+    def check(saved: SavedState) -> None:
+        for k, t in saved.weights.items():
+            if k in own and tuple(t.shape) != tuple(own[k].shape):
+                raise DamagedCheckpoint(f"{WEIGHTS_NAME}: tensor {k} has shape {list(t.shape)}, "
+                                        f"the model's is {list(own[k].shape)}")
+        if optimizer is not None:
+            _check_optimizer_shapes(optimizer, saved.optimizer)
+        epoch, pos = saved.trainer["epoch"], saved.trainer["pos"]
+        n = epoch_length(epoch)
+        if pos > n:
+            raise DamagedCheckpoint(f"{STATE_NAME}: data position {pos} is past the {n} batches of epoch {epoch}")
+
+    return check
+
+
+def _check_optimizer_shapes(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    groups = sd.get("param_groups") or []
+    if len(groups) != len(optimizer.param_groups):
+        raise DamagedCheckpoint(f"optimizer.json: {len(groups)} parameter groups, the run has "
+                                f"{len(optimizer.param_groups)}")
+    for saved_group, group in zip(groups, optimizer.param_groups):
+        ids = saved_group.get("params") if isinstance(saved_group, dict) else None
+        if not isinstance(ids, list) or len(ids) != len(group["params"]):
+            raise DamagedCheckpoint("optimizer.json: the parameter groups do not fit the run")
+        for pid, param in zip(ids, group["params"]):
+            for name, t in sd["state"].get(pid, {}).items():
+                if isinstance(t, torch.Tensor) and t.dim() and tuple(t.shape) != tuple(param.shape):
+                    raise DamagedCheckpoint(f"optimizer.safetensors: {pid}/{name} has shape {list(t.shape)}, "
+                                            f"its parameter's is {list(param.shape)}")
+
+
 # --- the folder of states ---------------------------------------------------------------------
 def _fsync_dir(path: Path) -> None:
     try:
@@ -325,9 +363,12 @@ class CheckpointManager:
     def holds_run(self) -> bool:
         return bool(self.states()) or (self.dir / "last").is_symlink()
 
-    def find_resume(self, rank: int = 0, world: int = 1, broadcast: Callable[[Any], Any] = lambda x: x) -> SavedState:
+    def find_resume(self, rank: int = 0, world: int = 1, broadcast: Callable[[Any], Any] = lambda x: x,
+                    check: Callable[[SavedState], None] | None = None) -> SavedState:
         """The state to resume from: ``last``, else (damaged) the newest intact one. Rank 0
-        decides and tells the others; ``problems`` lists what was wrong with those skipped."""
+        decides and tells the others; ``problems`` lists what was wrong with those skipped.
+        ``check`` (see :func:`fits_run`) raises :class:`DamagedCheckpoint` for a state that was
+        read whole but does not fit the run (a tensor's shape, a data position)."""
         chosen, problems, mine = None, [], None
         if rank == 0:
             candidates: list[Path] = []
@@ -341,6 +382,8 @@ class CheckpointManager:
             for d in candidates:
                 try:
                     mine = read_state(d, 0, world)
+                    if check is not None:
+                        check(mine)
                     chosen = str(d)
                     break
                 except DamagedCheckpoint as exc:

@@ -23,6 +23,7 @@ Explicit choices:
 """
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
@@ -49,7 +50,7 @@ from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig, train_config
 from tellkit.training import distributed
 from tellkit.training.bert_adam import BertAdam
-from tellkit.training.checkpointing import CheckpointManager, SavedState, apply_state
+from tellkit.training.checkpointing import CheckpointManager, SavedState, apply_state, fits_run
 from tellkit.training.evaluation import autocast, make_loader, plain_batches, run_eval, to_device
 from tellkit.training.task import Task
 
@@ -162,6 +163,17 @@ def batch_plan_digest(batches: list[list[int]]) -> str:
     continues the same order."""
     flat = [[int(i) for i in b] for b in batches]
     return hashlib.sha1(json.dumps(flat, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _writing(run_dir: Path):
+    """Start-up writes into the run folder: an OSError (a full disk, no permission, a read-only
+    or pseudo file system such as /proc) is one line."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename or run_dir
+        raise TellkitError(f"cannot write the run folder {run_dir} ({where}: {exc.strerror or exc})") from None
 
 
 class _CsvLog:
@@ -313,10 +325,9 @@ class Trainer:
 
     def _open_run_dir(self) -> None:
         run_dir, dist = self.run_dir, self.dist
-        if self.resume:
-            self.saved = self.ckpts.find_resume(dist.rank, dist.world, dist.broadcast)
-            if self.saved.problems:
-                self.log(f"warning: {'; '.join(self.saved.problems)}; resuming from {self.saved.directory.name}")
+        if self.resume:  # the state itself is chosen once the model is built (_restore_or_seed)
+            if not self.ckpts.holds_run():
+                raise TellkitError(f"--resume: no intact checkpoint under {self.ckpts.dir} (none saved)")
             cfg_file = run_dir / "config.yaml"
             if cfg_file.is_file():
                 try:
@@ -338,14 +349,24 @@ class Trainer:
         if reserved:
             raise TellkitError(f"recipe sections {sorted(reserved)} clash with checkpoint metadata names")
         if dist.is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False), encoding="utf-8")
+            if self.ckpts.dir.exists() and not self.ckpts.dir.is_dir():
+                raise TellkitError(f"{self.ckpts.dir}: exists and is not a folder (the run's checkpoints go "
+                                   "there); move it or choose another --out")
+            with _writing(run_dir):
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False), encoding="utf-8")
 
     def _build(self) -> None:
         cfg, dist = self.cfg, self.dist
         _seed_all(cfg.seed)  # identical initial weights on every process
         task = self.task
-        model = task.build_model()
+        try:
+            model = task.build_model()
+        except TellkitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a model section the family cannot build
+            raise TellkitError(f"the model does not build from the recipe's model section "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
         if cfg.init_from and not self.resume:
 
             self.log(f"initial weights from {load_weights_into(model, cfg.init_from)}")
@@ -377,6 +398,14 @@ class Trainer:
 
     def _restore_or_seed(self) -> None:
         st, dist = self.state, self.dist
+        if self.resume:
+            def epoch_length(epoch: int) -> int:
+                return len(epoch_batches(self.task, self.train_set, self.cfg, epoch, dist.world))
+
+            self.saved = self.ckpts.find_resume(dist.rank, dist.world, dist.broadcast,
+                                                check=fits_run(self.model, self.optimizer, epoch_length))
+            if self.saved.problems:
+                self.log(f"warning: {'; '.join(self.saved.problems)}; resuming from {self.saved.directory.name}")
         if self.saved is None:
             _seed_all(self.cfg.seed * 7919 + dist.rank)  # per-process randomness (dropout) from here on
         else:
@@ -409,6 +438,10 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def _open_logs(self) -> None:
+        with _writing(self.run_dir):
+            self._open_log_files()
+
+    def _open_log_files(self) -> None:
         if self.dist.is_main:
             keep = self.state.step if self.resume else 0  # a fresh start drops rows of a run that saved nothing
             self.train_csv = _CsvLog(self.run_dir / "train_log.csv", TRAIN_COLUMNS, keep)

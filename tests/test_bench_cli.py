@@ -53,3 +53,27 @@ def test_bttr_bench_names_its_model_and_images_without_machine_paths(monkeypatch
     r = bench_bttr(n_images=2, batch_size=2, beam_size=2, max_len=12, threads=1)
     assert r["checkpoint"] == "packaged default (bttr_default)"
     assert r["images_from"] == "the packaged sample, repeated" and r["images"] == 2 and r["same_outputs"]
+
+
+def test_caption_fit_bench_needs_the_flickr8k_data(monkeypatch, tmp_path):
+    from tellkit.bench import caption_fit
+    from tellkit.errors import TellkitError
+
+    monkeypatch.setenv("TELLKIT_SHARED_DATA", str(tmp_path))
+    with pytest.raises(TellkitError, match="Flickr8k"):
+        caption_fit.run(quick=True)
+
+
+@pytest.mark.data
+@pytest.mark.slow
+def test_caption_fit_bench_scores_each_fit_on_stretched_dev_photos(monkeypatch, shared_data):
+    from tellkit.bench import caption_fit
+
+    monkeypatch.setenv("TELLKIT_SHARED_DATA", str(shared_data))
+    dev = caption_fit._dev
+    monkeypatch.setattr(caption_fit, "_dev", lambda n: dev(3))
+    res = caption_fit.run(quick=True)
+    assert res["images"] == 3 and len(res["rows"]) == 5
+    fits = [r["fit"] for name, r in res["rows"].items() if name != "square, as trained"]
+    assert fits == ["squash", "crop", "squash", "crop"]
+    assert all(0 <= r["cider"] for r in res["rows"].values())

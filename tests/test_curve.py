@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from PIL import Image
@@ -64,3 +67,39 @@ def test_nice_ticks():
     assert nice_ticks(1, 3, integer=True) == [1, 2, 3]
     assert nice_ticks(4.2, 4.2)[0] <= 4.2 <= nice_ticks(4.2, 4.2)[-1]
 
+
+
+def tellkit(*args):
+    return subprocess.run([sys.executable, "-m", "tellkit", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def one_line_error(res, *needles):
+    assert res.returncode == 2, (res.returncode, res.stdout[-1500:], res.stderr[-1500:])
+    assert not res.stdout.strip(), res.stdout
+    err = res.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, err
+
+
+@pytest.mark.parametrize("data, needle", [(LOG.encode("utf-16"), "not UTF-8 text"),
+                                          (b"step,epoch,split,metric,value\n398,1,val,\xe9xprate,4.5\n",
+                                           "not UTF-8 text (byte 40)")])
+def test_a_log_that_is_not_utf8_text_is_one_line(tmp_path, data, needle):
+    (tmp_path / "eval_log.csv").write_bytes(data)
+    one_line_error(tellkit("curve", tmp_path), needle)
+
+
+def test_png_onto_a_folder_or_under_a_file_is_one_line_and_leaves_nothing(run_dir):
+    (run_dir / "plots").mkdir()
+    (run_dir / "notes").write_text("a file")
+    before = sorted(p.name for p in run_dir.rglob("*"))
+    for _ in range(2):  # each try used to leave a temporary file
+        one_line_error(tellkit("curve", run_dir, "--png", run_dir / "plots"), "is a folder")
+        one_line_error(tellkit("curve", run_dir, "--png", run_dir / "notes" / "c.png"), "is a file")
+        one_line_error(tellkit("curve", run_dir, "--png", "/proc/tellkit-curve.png"), "cannot write the plot")
+    assert sorted(p.name for p in run_dir.rglob("*")) == before
+    res = tellkit("curve", run_dir, "--png", run_dir / "plots" / "curve.png")  # the next call works
+    assert res.returncode == 0, res.stderr[-1500:]
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["curve.png"]

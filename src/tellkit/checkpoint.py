@@ -15,6 +15,7 @@ file under the final name.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -74,15 +75,20 @@ def fault_point(phase: str) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        half = len(data) // 2
-        f.write(data[:half])
-        f.flush()
-        fault_point(f"write:{path.name}")  # a kill here leaves half a file under the temporary name
-        f.write(data[half:])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            half = len(data) // 2
+            f.write(data[:half])
+            f.flush()
+            fault_point(f"write:{path.name}")  # a kill here leaves half a file under the temporary name
+            f.write(data[half:])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # an error (not a kill) leaves no temporary file: a folder at ``path``, a full disk
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -30,18 +30,40 @@ def read_eval_log(run) -> list[dict]:
     if not path.is_file():
         raise TellkitError(f"{run}: no eval_log.csv (not a `tellkit train` run folder, or not validated yet)")
     rows = []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        need = {"step", "epoch", "metric", "value"}
-        if not need <= set(reader.fieldnames or []):
-            raise TellkitError(f"{path}: expected columns {sorted(need)}, found {reader.fieldnames}")
-        for i, r in enumerate(reader, 2):
-            try:
-                rows.append({"step": int(r["step"]), "epoch": int(r["epoch"]), "metric": r["metric"],
-                             "value": float(r["value"])})
-            except (TypeError, ValueError):
-                raise TellkitError(f"{path}, line {i}: not a number in {r}") from None
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            need = {"step", "epoch", "metric", "value"}
+            if not need <= set(reader.fieldnames or []):
+                raise TellkitError(f"{path}: expected columns {sorted(need)}, found {reader.fieldnames}")
+            for i, r in enumerate(reader, 2):
+                try:
+                    rows.append({"step": int(r["step"]), "epoch": int(r["epoch"]), "metric": r["metric"],
+                                 "value": float(r["value"])})
+                except (TypeError, ValueError):
+                    raise TellkitError(f"{path}, line {i}: not a number in {r}") from None
+    except UnicodeDecodeError:
+        try:  # the decoder's position is within its chunk: find the byte in the whole file
+            path.read_bytes().decode("utf-8")
+            at = ""
+        except UnicodeDecodeError as exc:
+            at = f" (byte {exc.start})"
+        raise TellkitError(f"{path}: not UTF-8 text{at}; expected the CSV log `tellkit train` writes") from None
+    except csv.Error as exc:
+        raise TellkitError(f"{path}: not a readable CSV log ({exc})") from None
     return rows
+
+
+def check_png_path(png: Path) -> None:
+    """--png names a file: not an existing folder, nor under a file."""
+    if png.is_dir():
+        raise TellkitError(f"{png}: is a folder; --png takes the path of the PNG file to write "
+                           f"(e.g. {png / 'curve.png'})")
+    for parent in png.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise TellkitError(f"{png}: {parent} is a file, not a folder")
+            return
 
 
 def run(args) -> int:
@@ -59,6 +81,7 @@ def run(args) -> int:
             e[r["metric"]] = r["value"]
     table = [evals[s] for s in sorted(evals)]
     if args.png:
+        check_png_path(Path(args.png))
         from tellkit.checkpoint import atomic_write_bytes  # heavy
         from tellkit.utils.plot import line_chart  # heavy
 
@@ -67,8 +90,11 @@ def run(args) -> int:
                          xlabel="epoch" if args.x == "epoch" else "optimizer step", ylabel=", ".join(metrics))
         buf = io.BytesIO()
         img.save(buf, format="PNG")
-        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(Path(args.png), buf.getvalue())
+        try:
+            Path(args.png).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(Path(args.png), buf.getvalue())
+        except OSError as exc:
+            raise TellkitError(f"{args.png}: cannot write the plot ({exc.strerror or exc})") from None
     if args.format == "markdown":
         print("| epoch | step | " + " | ".join(metrics) + " |")
         print("|---:|---:|" + "---:|" * len(metrics))

@@ -37,7 +37,7 @@ from tellkit.data.ink_augment import InkAugmenter, build_bank, load_inks
 from tellkit.data.inkml import RenderConfig, image_to_tensor, pad_to_stride, scan_folder
 from tellkit.data.latex import Vocab, normalize
 from tellkit.errors import TellkitError
-from tellkit.utils.images import ImageError, open_image
+from tellkit.utils.images import ImageError, check_image_path, open_image
 
 IMAGE_SUFFIXES = (".png", ".bmp", ".jpg", ".jpeg")
 
@@ -245,8 +245,7 @@ def load_image(path: str | os.PathLike | None = None, *, image=None, crop: bool 
     if image is None:
 
         p = Path(path)
-        if not p.is_file():
-            raise TellkitError(f"image not found: {p}")
+        check_image_path(p)  # missing, a folder, a device or FIFO: one line saying which
         try:
             image = open_image(p, max_pixels=max_pixels or None, mode="L")
         except ImageError as exc:

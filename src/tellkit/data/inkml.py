@@ -212,8 +212,9 @@ def _segmentation(groups, trace_index: dict[str, int]) -> list[InkSymbol]:
 def read_inkml(path: str | os.PathLike, require_truth: bool = False) -> InkExpression:
     """One InkML file -> its strokes and truth. Raises :class:`InkMLError` (a TellkitError)."""
     p = Path(path)
-    if not p.is_file():
-        raise TellkitError(f"InkML file not found: {p}")
+    if not p.is_file():  # a device or FIFO is never opened: it could block or never end
+        raise TellkitError(f"InkML file not found: {p}" if not p.exists()
+                           else f"{p}: not a regular file, expected an InkML file")
     try:
         data = p.read_bytes()
     except OSError as exc:

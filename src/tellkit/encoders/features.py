@@ -104,7 +104,8 @@ def items_from_images(path: str | os.PathLike) -> list[CaptionInput]:
         paths = [Path(ln) if Path(ln).is_absolute() else p.parent / ln for ln in lines if ln and not ln.startswith("#")]
         items = [FeatureItem(q.with_suffix("").name, str(q)) for q in paths]
     else:
-        raise TellkitError(f"{p}: no such folder or image list")
+        raise TellkitError(f"{p}: no such folder or image list" if not p.exists()
+                           else f"{p}: not a folder or a regular file (--images takes a folder or an image list)")
     if not items:
         raise TellkitError(f"{p}: no images found ({', '.join(IMAGE_SUFFIXES)})")
     dup = [k for k, n in Counter(i.id for i in items).items() if n > 1]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +37,8 @@ from tellkit.errors import TellkitError
 
 DEFAULT_MAX_PIXELS = 64_000_000  # ~8000 x 8000; photos and scanned expressions are far smaller
 SAFE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
-REASONS = ("not found", "directory", "empty", "not an image", "unsupported format", "too many pixels",
-           "too small", "corrupt or truncated")
+REASONS = ("not found", "directory", "not a regular file", "empty", "not an image", "unsupported format",
+           "too many pixels", "too small", "corrupt or truncated")
 _STRIP_PIXELS = 1 << 20  # pixels converted at once (a strip of rows)
 
 # EXIF orientation -> the transpose that shows the image upright (as ImageOps.exif_transpose)
@@ -153,16 +154,15 @@ def _open_source(source: Source):
         return io.BytesIO(bytes(source) if not isinstance(source, bytes) else source), ""
     if isinstance(source, (str, os.PathLike)):
         p = Path(source)
-        if not p.exists():
-            raise ImageError(f"{p}: image not found", "not found")
-        if p.is_dir():
-            raise ImageError(f"{p}: is a directory, expected an image file", "directory")
-        if p.stat().st_size == 0:
-            raise ImageError(f"{p}: the image file is empty (0 bytes)", "empty")
-        try:
-            return open(p, "rb"), str(p)
+        check_image_path(p)
+        try:  # non-blocking, and checked again once open: a FIFO put there since never blocks the read
+            fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except OSError as exc:
             raise ImageError(f"{p}: cannot read ({exc.strerror or exc})", "not found") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            check_image_path(p)
+        return os.fdopen(fd, "rb"), str(p)
     if hasattr(source, "read"):
         pos = source.tell() if hasattr(source, "tell") else 0
         head = source.read(1)
@@ -171,6 +171,29 @@ def _open_source(source: Source):
         source.seek(pos)
         return source, ""
     raise TypeError(f"expected a path, bytes or a binary file, got {type(source).__name__}")
+
+
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_image_path(path: str | os.PathLike) -> None:
+    """Refuse a path that is missing, a folder, not a regular file (a device, a FIFO: never
+    opened, so nothing blocks or reads without end) or empty, with an :class:`ImageError`."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ImageError(f"{p}: image not found", "not found") from None
+    except OSError as exc:
+        raise ImageError(f"{p}: cannot read ({exc.strerror or exc})", "not found") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ImageError(f"{p}: is a directory, expected an image file", "directory")
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "a special file")
+        raise ImageError(f"{p}: not a regular file: {kind}, expected an image file", "not a regular file")
+    if st.st_size == 0:
+        raise ImageError(f"{p}: the image file is empty (0 bytes)", "empty")
 
 
 def _names(formats) -> str:

@@ -3,7 +3,8 @@ are made): the model's weights (float16 by default: half the size; loading casts
 the model's float32 parameters), its config, and the recipe sections the training loop stored
 (task, data, eval, train, encoders ...), so evaluation and captioning prepare inputs exactly as
 in training. No optimizer, RNG or trainer state, and nothing of the training machine: the data
-root and the run it started from are cleared (pass ``--data`` to evaluate it), and the number
+root, the feature-cache folder and the run it started from are cleared (pass ``--data`` to
+evaluate it), and the number
 of data-loading worker processes goes back to the default, so a model trained on a large
 machine does not start a dozen workers on a laptop. Works for any registered model family.
 
@@ -25,7 +26,7 @@ from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
 
 # settings of the training machine, not of the model: (section, key) -> the exported value
-MACHINE_LOCAL = {("data", "root"): None, ("train", "init_from"): None,
+MACHINE_LOCAL = {("data", "root"): None, ("data", "features"): None, ("train", "init_from"): None,
                  ("train", "num_workers"): TrainConfig.num_workers}
 
 

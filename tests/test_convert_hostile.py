@@ -14,6 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from cli_checks import one_line_error  # noqa: E402
+
 TELLKIT = [sys.executable, "-m", "tellkit"]
 
 
@@ -26,13 +29,6 @@ def tellkit(*args, env=None, timeout=180):
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-def one_line_error(res, *needles):
-    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
-    err = res.stderr.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from cli_checks import one_line_error  # noqa: E402
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
@@ -20,13 +23,6 @@ def tellkit(*args, timeout=180):
                           timeout=timeout, env=ENV)
 
 
-def one_line_error(res, *needles):
-    assert res.returncode == 2, (res.returncode, res.stdout[-1500:], res.stderr[-1500:])
-    err = res.stderr.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 def listing(root: Path) -> list[str]:

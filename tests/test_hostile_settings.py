@@ -24,6 +24,9 @@ from tellkit.recipes import (
     SummaryGeneration,
 )
 
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from cli_checks import one_line_error as _one_line_error  # noqa: E402
+
 TELLKIT = [sys.executable, "-m", "tellkit"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
@@ -33,13 +36,7 @@ def tellkit(*args, timeout=120):
 
 
 def one_line_error(res, *needles):
-    assert res.returncode == 2, (res.returncode, res.stderr[-2000:])
-    assert not res.stdout.strip(), res.stdout
-    err = res.stderr.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, err
-    return err
+    return _one_line_error(res, *needles, stdout_empty=True)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,9 @@ import pytest
 
 from tellkit.utils.images import REASONS, ImageError, open_image
 
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from cli_checks import one_line_error  # noqa: E402
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
@@ -23,13 +26,6 @@ def tellkit(*args, cwd=None):
                           timeout=120, env=ENV, cwd=cwd)
 
 
-def one_line_error(res, *needles):
-    assert res.returncode == 2, (res.returncode, res.stdout[-1500:], res.stderr[-1500:])
-    err = res.stderr.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 @pytest.fixture

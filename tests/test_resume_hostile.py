@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 FIXTURES = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 import toy_task  # noqa: E402
+from cli_checks import one_line_error  # noqa: E402
 
 CLI = ("import sys; sys.path.insert(0, sys.argv.pop(1)); import toy_task; from tellkit.cli import main; "
        "sys.exit(main(sys.argv[1:]))")
@@ -31,13 +32,6 @@ def tellkit(*args, preexec_fn=None, timeout=180):
                           text=True, timeout=timeout, preexec_fn=preexec_fn, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-def one_line_error(res, *needles):
-    assert res.returncode == 2, (res.returncode, res.stdout[-1500:], res.stderr[-1500:])
-    err = res.stderr.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    for n in needles:
-        assert n in err, err
-    return err
 
 
 @pytest.fixture(scope="module")

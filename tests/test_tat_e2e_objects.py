@@ -23,7 +23,7 @@ ARCHIVE = FIX / "nytimes" / "nytimes_tiny.archive.gz"
 class _Img:
     out_dim, name = 16, "fake"
 
-    def encode(self, pils):
+    def encode(self, pils, **options):  # options: how a data-set image is resized (unused here)
         x = torch.stack([torch.full((5, 16), float(sum(p.getpixel((0, 0)))) / 765) for p in pils])
         return x, torch.ones(x.shape[:2], dtype=torch.bool)
 
@@ -68,6 +68,8 @@ def full_recipe(tmp_path):
     return deep_merge(r, {
         "model": {**model, "face_dim": 512, "object_dim": 2048},
         "data": {"root": str(ARCHIVE), "features": str(tmp_path / "feats")},
+        # the stand-in encoders go through the feature cache, which only frozen encoders may fill
+        "encoders": {"mode": "frozen"},
         "train": {"max_steps": 3, "max_epochs": 10, "batch_size": 2, "max_tokens": None, "amp": False,
                   "samples_per_epoch": None, "log_every": 1, "lr": 1e-3},
         "eval": {"metrics": ["bleu", "rouge", "cider"], "ner": False, "max_len": 6},

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tellkit.encoders.mobilenet import init_cnn_weights
+
 # (x / 255 - mean) / std == (x - 127) / 128 on 0..255 pixels: the TF Lite models' normalisation
 LITE_MEAN = (127.0 / 255.0,) * 3
 LITE_STD = (128.0 / 255.0,) * 3
@@ -151,18 +153,7 @@ class EfficientNetLite(nn.Module):
         self._bn1 = _bn(HEAD_CHANNELS)
         self._dropout = nn.Dropout(v.dropout)
         self._fc = nn.Linear(HEAD_CHANNELS, num_classes)
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.zeros_(m.bias)
+        init_cnn_weights(self)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """float[B, 3, H, W] -> float[B, 1280, ceil(H/32), ceil(W/32)]."""

@@ -17,6 +17,20 @@ INVERTED_RESIDUAL_SETTING = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64
                              (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
 
 
+def init_cnn_weights(model: nn.Module) -> None:
+    """The usual start of an ImageNet CNN (MobileNet, EfficientNet): He-normal convolutions
+    (fan out), BatchNorm at identity, N(0, 0.01) linears, zero biases."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0, 0.01)
+            nn.init.zeros_(m.bias)
+
+
 class ConvBNReLU6(nn.Sequential):
     """conv (no bias) -> BatchNorm -> ReLU6; children named 0, 1, 2 as torchvision's."""
 
@@ -63,18 +77,7 @@ class MobileNetV2(nn.Module):
         layers.append(ConvBNReLU6(cin, self.out_dim, kernel=1))
         self.features = nn.Sequential(*layers)
         self.classifier = nn.Sequential(nn.Dropout(dropout), nn.Linear(self.out_dim, num_classes))
-        self._init_weights()
-
-    def _init_weights(self) -> None:
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, 0, 0.01)
-                nn.init.zeros_(m.bias)
+        init_cnn_weights(self)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """float[B, 3, H, W] -> float[B, 1280, H/32, W/32]."""

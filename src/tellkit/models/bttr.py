@@ -216,16 +216,21 @@ def word_positions(length: int, d_model: int, start: int = 0, device=None) -> to
     return torch.stack([ang.sin(), ang.cos()], -1).flatten(1)
 
 
+def normalised_coordinates(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x', y') [B, H, W] of the reference's ``ImgPosEnc``: the count of real pixels up to each
+    position along the row (column), over the row's (column's) real width (height), times 2*pi."""
+    m = mask.float()
+    y = m.cumsum(1)
+    x = m.cumsum(2)
+    return x / (x[:, :, -1:] + 1e-6) * 2 * math.pi, y / (y[:, -1:, :] + 1e-6) * 2 * math.pi
+
+
 def image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
     """2-D normalised encoding [B, H, W, d] as the reference's ``ImgPosEnc``: x' = x / W_real,
     y' = y / H_real (positions count real pixels only), scaled by 2*pi. Each axis uses d/2
     channels with frequencies w_i = 10000^(-i/(d/2)), i = 0..d/2-1: channel i is sin(x' w_i) for
     even i and cos(x' w_i) for odd i; the x channels come first, then the y channels."""
-    m = mask.float()
-    y = m.cumsum(1)
-    x = m.cumsum(2)
-    y = y / (y[:, -1:, :] + 1e-6) * 2 * math.pi
-    x = x / (x[:, :, -1:] + 1e-6) * 2 * math.pi
+    x, y = normalised_coordinates(mask)
     half = d_model // 2
     w = 10000.0 ** (-torch.arange(half, dtype=torch.float32, device=mask.device) / half)
 

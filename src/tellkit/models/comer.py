@@ -34,7 +34,6 @@ What differs from the reference
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +42,7 @@ from torch import nn
 
 from tellkit.errors import TellkitError
 from tellkit.layers.attention import ProjectedKV
-from tellkit.models.bttr import BTTR, BTTRConfig, Decoder, DecoderLayer, Encoder
+from tellkit.models.bttr import BTTR, BTTRConfig, Decoder, DecoderLayer, Encoder, normalised_coordinates
 from tellkit.registry import register_model
 
 
@@ -69,11 +68,7 @@ def comer_image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
     """[B, H, W, d] as the reference's ``ImgPosEnc``: x' = x / W_real * 2pi, y' likewise
     (positions count real pixels only); per axis d/2 channels, channel 2j = sin(x' w_j) and
     2j+1 = cos(x' w_j), w_j = 10000^(-2j/(d/2)); the x channels first, then the y channels."""
-    m = mask.float()
-    y = m.cumsum(1)
-    x = m.cumsum(2)
-    y = y / (y[:, -1:, :] + 1e-6) * 2 * math.pi
-    x = x / (x[:, :, -1:] + 1e-6) * 2 * math.pi
+    x, y = normalised_coordinates(mask)
     half = d_model // 2
     w = 10000.0 ** (-torch.arange(0, half, 2, dtype=torch.float32, device=mask.device) / half)
 

@@ -26,6 +26,7 @@ from tellkit.recipes import (
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from cli_checks import one_line_error as _one_line_error  # noqa: E402
+from cli_checks import stop, wait_for_health  # noqa: E402
 
 TELLKIT = [sys.executable, "-m", "tellkit"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -107,27 +108,12 @@ def start_server(*args, timeout=120):
     proc = subprocess.Popen([*TELLKIT, "serve", "--api-only", "--port", str(port), "--log-level", "warning",
                              *map(str, args)], stderr=subprocess.PIPE, text=True, env=ENV)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()[-3000:]}")
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2).read()
-            return proc, url, port
-        except OSError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                raise
-            time.sleep(0.3)
-
-
-def stop(proc):
-    proc.terminate()
     try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
+        wait_for_health(proc, url, timeout, pause=0.3)
+    except OSError:
         proc.kill()
-        proc.wait()
+        raise
+    return proc, url, port
 
 
 @pytest.fixture(scope="module")

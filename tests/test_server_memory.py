@@ -4,9 +4,9 @@ image decoder are measured. A 16-bit 4000x4000 PNG (~40 KB) used to cost ~300 MB
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +15,9 @@ pytest.importorskip("python_multipart")
 
 from tellkit.bench.serve_load import large_png, large_upload_peak, reset_peak  # noqa: E402
 from tellkit.server.runner import free_port  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
+from cli_checks import stop, wait_for_health  # noqa: E402
 
 SERVER = r"""
 import sys
@@ -57,27 +60,12 @@ def stub_server():
     proc = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"stub server exited: {proc.stderr.read()[-2000:]}")
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        wait_for_health(proc, url, 60)
         if not reset_peak(proc.pid):
             pytest.skip("this kernel does not allow resetting a process's peak memory (/proc/PID/clear_refs)")
         yield url, proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def test_concurrent_large_uploads_keep_peak_memory_bounded(stub_server):
@@ -118,7 +106,6 @@ def _mixed_requests():
 
 
 def test_sixteen_mixed_requests_on_a_hostile_checkpoint_stay_within_512_mib(tmp_path):
-    import json
     from concurrent.futures import ThreadPoolExecutor
 
     from tellkit.recipes import MAX_BEAM_SIZE, MAX_GENERATION_LEN
@@ -136,17 +123,7 @@ def test_sixteen_mixed_requests_on_a_hostile_checkpoint_stay_within_512_mib(tmp_
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
-            try:
-                health = json.loads(urllib.request.urlopen(url + "/health", timeout=2).read())
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.3)
+        health = wait_for_health(proc, url, 180, pause=0.3)
         assert health["models"]["math"]["served_with"]["beam_size"] == 16
         requests = _mixed_requests()
         if not reset_peak(proc.pid):
@@ -166,12 +143,7 @@ def test_sixteen_mixed_requests_on_a_hostile_checkpoint_stay_within_512_mib(tmp_
             statuses = list(pool.map(send, requests))
         peak = _status_mib(proc.pid)["VmHWM"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     print(f"server idle {idle} MiB, peak {peak} MiB under {len(requests)} concurrent requests")
     assert sorted(set(statuses)) == [200, 413, 415, 422], statuses
     assert peak - idle < MIXED_GROWTH_MIB, (idle, peak)

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -217,17 +218,50 @@ def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
     return meta
 
 
+ENCODER_WEIGHT_KEYS = ("image_weights", "face_weights")  # encoders entries that may name a carried file
+# the image encoder's weights (and BatchNorm statistics) carried in a checkpoint folder: the
+# ResNet of a converted official checkpoint, or the state a reference-mode training run reached
+IMAGE_ENCODER_FILE = "image_encoder.safetensors"
+
+
 def _resolve_encoder_files(meta: dict[str, Any], d: Path) -> None:
     """An ``encoders`` weights entry that names a file inside the checkpoint folder (a bare
-    file name, e.g. the image encoder ``tellkit convert`` writes beside the model) becomes its
-    path, so the folder can move."""
+    file name, e.g. the image encoder ``tellkit convert`` writes beside the model, or the one a
+    training run in the reference's encoder mode saves) becomes its path, so the folder can move."""
     enc = meta.get("encoders")
     if not isinstance(enc, dict):
         return
-    for key in ("image_weights", "face_weights"):
+    for key in ENCODER_WEIGHT_KEYS:
         name = enc.get(key)
         if isinstance(name, str) and name and Path(name).name == name and (d / name).is_file():
             meta["encoders"] = enc = {**enc, key: str(d / name)}
+
+
+def write_tensor_files(d: Path, files: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    """Each {file name: tensors} as a safetensors file in the checkpoint folder ``d`` (encoder
+    weights a checkpoint carries beside its model)."""
+    from safetensors.torch import save  # heavy
+
+    d.mkdir(parents=True, exist_ok=True)
+    for name, tensors in files.items():
+        if Path(name).name != name or not name.endswith(".safetensors"):
+            raise TellkitError(f"{name!r}: a carried file is a bare *.safetensors name")
+        state = {k: v.detach().contiguous() for k, v in tensors.items()}
+        atomic_write_bytes(d / name, save(state, metadata={"format": "pt"}))
+
+
+def carried_encoder_files(meta: Mapping[str, Any], d: str | os.PathLike) -> dict[str, Path]:
+    """{encoders key: file} for the encoder weights that the checkpoint folder ``d`` carries
+    (entries of ``meta``, as :func:`read_checkpoint_config` resolved them, that lie in ``d``)."""
+    enc = meta.get("encoders")
+    folder = Path(d).resolve()
+    out: dict[str, Path] = {}
+    if isinstance(enc, Mapping):
+        for key in ENCODER_WEIGHT_KEYS:
+            v = enc.get(key)
+            if isinstance(v, str) and v and Path(v).is_file() and Path(v).resolve().parent == folder:
+                out[key] = Path(v)
+    return out
 
 
 def check_config_values(config: Any, where: str) -> None:
@@ -358,6 +392,7 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
     model.load_state_dict(state, strict=False)
     model.to(device)
     model.checkpoint_meta = meta
+    model.checkpoint_dir = d
     return model
 
 

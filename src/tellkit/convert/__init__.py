@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tellkit.checkpoint import atomic_write_bytes, load_model, max_model_bytes, save_model
+from tellkit.checkpoint import atomic_write_bytes, load_model, max_model_bytes, save_model, write_tensor_files
 from tellkit.errors import TellkitError
 from tellkit.registry import create_model
 
@@ -272,7 +272,7 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: s
     extra: dict[str, Any] = {"converted_from": Path(src).name}
     if hasattr(converter(family), "encoder_files"):  # encoder weights the checkpoint carries
         section, files = converter(family).encoder_files(state)
-        _write_encoder_files(out, files)
+        write_tensor_files(out, files)
         if section:
             extra["encoders"] = section
     save_model(model, out, extra=extra)
@@ -311,15 +311,6 @@ def _check_weights(src, model: torch.nn.Module, new_state: dict[str, torch.Tenso
             raise TellkitError(f"{src}: tensor {key} is {t.dtype}, not floating point like the model's {target.dtype}")
         if not bool(torch.isfinite(t).all()):
             raise TellkitError(f"{src}: tensor {key} holds NaN or infinite values")
-
-
-def _write_encoder_files(out: Path, files: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Each {file name: tensors} as a safetensors file in the checkpoint folder ``out``."""
-    from safetensors.torch import save  # heavy
-
-    out.mkdir(parents=True, exist_ok=True)
-    for name, tensors in files.items():
-        atomic_write_bytes(out / name, save(tensors, metadata={"format": "pt"}))
 
 
 def _is_buffer(model: torch.nn.Module, key: str) -> bool:

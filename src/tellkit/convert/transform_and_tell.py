@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from tellkit.checkpoint import IMAGE_ENCODER_FILE
 from tellkit.encoders.resnet import BLOCKS
 from tellkit.errors import TellkitError
 
@@ -44,7 +45,6 @@ _CONTEXTS = {"image": "image", "article": "article", "faces": "faces", "obj": "o
 _SKIP = re.compile(r"^(resnet|roberta)\.|(^|\.)(_float_tensor|version|weights)$")
 
 
-IMAGE_ENCODER_FILE = "image_encoder.safetensors"
 
 
 def encoder_files(state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:

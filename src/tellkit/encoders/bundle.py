@@ -123,7 +123,8 @@ class EncoderBundle:
 
     # -- the encoders (built on first use) ----------------------------------------------------
     def _shared(self, key: tuple, build):
-        if self.shared_encoders is None:
+        # reference mode: the encoders' BatchNorm statistics belong to one run, never shared
+        if self.shared_encoders is None or self.reference_mode:
             return build()
         key = ("encoder", str(self.device), *key)
         if key not in self.shared_encoders:

@@ -43,7 +43,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from tellkit.checkpoint import atomic_write_bytes
+from tellkit.checkpoint import (
+    IMAGE_ENCODER_FILE,
+    atomic_write_bytes,
+    carried_encoder_files,
+    read_checkpoint_config,
+)
 from tellkit.data import load_captions
 from tellkit.data.batch import CaptionBatch, CaptionItem, collate_captions
 from tellkit.data.bucketing import bucket_batches
@@ -51,6 +56,7 @@ from tellkit.data.sample import CaptionSample
 from tellkit.encoders.bundle import CaptionInput, EncoderBundle
 from tellkit.encoders.features import FeatureConfig, FeatureStore, extract_features
 from tellkit.encoders.tokenizer import CaptionTokenizer
+from tellkit.encoders.weights import load_strict, read_state_dict
 from tellkit.errors import TellkitError
 from tellkit.metrics.caption import METRICS, score_captions_detailed
 from tellkit.metrics.linguistic import linguistic_scores
@@ -262,6 +268,34 @@ class CaptioningTask(Task):
         """``encoders.mode: reference``: the encoders run on each batch in the training (or
         evaluation) step, in the model's mode, instead of once per item in the dataset."""
         return self.encoders.mode == "reference"
+
+    # -- the image encoder's state in reference mode --------------------------------------
+    @property
+    def _trains_image_encoder_state(self) -> bool:
+        """In reference mode the image encoder's BatchNorm running statistics move with every
+        training batch, as the reference's ``model.train()`` moved its ResNet's: part of the
+        trained state, so every checkpoint keeps them (the reference's ``best.th`` holds them)."""
+        return self.encodes_in_step and "image" in self.contexts
+
+    def checkpoint_files(self) -> dict[str, dict[str, torch.Tensor]]:
+        if not self._trains_image_encoder_state:
+            return {}
+        return {IMAGE_ENCODER_FILE: self.bundle.image_encoder.backbone.state_dict()}
+
+    def checkpoint_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        if not self._trains_image_encoder_state:
+            return meta
+        return {**meta, "encoders": {**(meta.get("encoders") or {}), "image_weights": IMAGE_ENCODER_FILE}}
+
+    def restore_checkpoint_files(self, directory: Path) -> bool:
+        if not self._trains_image_encoder_state:
+            return False
+        path = carried_encoder_files(read_checkpoint_config(directory), directory).get("image_weights")
+        if path is None:
+            return False
+        what = f"image encoder {self.encoders.image} ({path.name})"
+        load_strict(self.bundle.image_encoder.backbone, read_state_dict(path, what), what, source=str(path))
+        return True
 
     def collate(self, samples: list[CaptionItem]) -> CaptionBatch:
         if self.encodes_in_step:  # the items, encoded by on_device

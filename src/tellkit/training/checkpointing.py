@@ -52,6 +52,7 @@ from tellkit.checkpoint import (
     read_checkpoint_config,
     read_json_file,
     save_model,
+    write_tensor_files,
 )
 from tellkit.errors import TellkitError
 
@@ -405,11 +406,13 @@ class CheckpointManager:
         trainer_state: dict[str, Any],
         *,
         extra: dict[str, Any] | None = None,
+        files: dict[str, dict[str, torch.Tensor]] | None = None,
         rank: int = 0,
         agree: Callable[[bool], bool] = lambda failed: failed,
         best: bool = False,
     ) -> Path:
-        """Write a complete state, then move ``last`` (and ``best``) to it. ``agree`` is a
+        """Write a complete state, then move ``last`` (and ``best``) to it. ``files``: tensors
+        kept beside the model (:meth:`Task.checkpoint_files`). ``agree`` is a
         collective (True on every rank when any rank's flag is True) that doubles as the
         barrier between the phases. A failed write raises a one-line :class:`TellkitError`."""
         begin_save()
@@ -432,6 +435,8 @@ class CheckpointManager:
                 fault_point("rng")
                 if rank == 0:
                     save_model(model, tmp, extra)
+                    if files:
+                        write_tensor_files(tmp, files)
                     fault_point("model")
                     save_optimizer(optimizer, tmp)
                     fault_point("optimizer")

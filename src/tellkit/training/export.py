@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from tellkit.checkpoint import CONFIG_NAME, load_model
+from tellkit.checkpoint import CONFIG_NAME, carried_encoder_files, load_model, write_tensor_files
+from tellkit.encoders.weights import read_state_dict
 from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
 
@@ -34,7 +35,9 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = T
                       note: dict[str, Any] | None = None) -> Path:
 
     model = load_model(checkpoint)
-    return _write_inference(model, model.checkpoint_meta, out, half=half, note=note)
+    carried = {key: _read_tensors(path) for key, path in
+               carried_encoder_files(model.checkpoint_meta, model.checkpoint_dir).items()}
+    return _write_inference(model, model.checkpoint_meta, out, half=half, note=note, carried=carried)
 
 
 def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, half: bool = True,
@@ -49,6 +52,7 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, h
         raise TellkitError(f"averaging needs at least two checkpoints, got {len(checkpoints)}")
     first = load_model(checkpoints[0])
     meta = first.checkpoint_meta
+    carried = [carried_encoder_files(meta, first.checkpoint_dir)]
     total = {k: v.detach().float().clone() if v.is_floating_point() else v.clone()
              for k, v in first.state_dict().items()}
     for path in checkpoints[1:]:
@@ -61,6 +65,10 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, h
                           if meta["config"].get(k) != theirs["config"].get(k))
             raise TellkitError(f"{path}: a different model configuration from {checkpoints[0]} "
                                f"({', '.join(diff[:5])}); only checkpoints of one model can be averaged")
+        carried.append(carried_encoder_files(theirs, other.checkpoint_dir))
+        if set(carried[-1]) != set(carried[0]):
+            raise TellkitError(f"{path}: carries encoder weights {sorted(carried[-1]) or 'none'}, {checkpoints[0]} "
+                               f"{sorted(carried[0]) or 'none'}; only checkpoints of one kind can be averaged")
         for k, v in other.state_dict().items():
             if v.is_floating_point():
                 total[k] += v.detach().float()
@@ -73,7 +81,26 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, h
         for k, v in own.items():
             v.copy_((total[k] / n).to(v.dtype) if v.is_floating_point() else total[k])
     sources = [source_name(Path(c)) for c in checkpoints]
-    return _write_inference(first, meta, out, half=half, note=note, averaged_from=sources)
+    means = {key: _mean_tensors([_read_tensors(c[key]) for c in carried], key) for key in carried[0]}
+    return _write_inference(first, meta, out, half=half, note=note, averaged_from=sources, carried=means)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return read_state_dict(path, f"encoder weights {path.name}")
+
+
+def _mean_tensors(states: list[dict[str, torch.Tensor]], key: str) -> dict[str, torch.Tensor]:
+    """The element-wise mean of encoder weights (e.g. BatchNorm running statistics that moved
+    during training), floating-point tensors in float32; integer ones are the last state's."""
+    if any(set(s) != set(states[0]) or any(s[k].shape != states[0][k].shape for k in s) for s in states):
+        raise TellkitError(f"the checkpoints' encoders.{key} files hold different tensors; they cannot be averaged")
+    out = {}
+    for k, v in states[0].items():
+        if v.is_floating_point():
+            out[k] = (sum(s[k].float() for s in states) / len(states)).to(v.dtype)
+        else:
+            out[k] = states[-1][k].clone()
+    return out
 
 
 def source_name(path: Path) -> str:
@@ -84,7 +111,11 @@ def source_name(path: Path) -> str:
 
 
 def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool,
-                     note: dict[str, Any] | None, averaged_from: list[str] | None = None) -> Path:
+                     note: dict[str, Any] | None, averaged_from: list[str] | None = None,
+                     carried: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """``carried``: {encoders key: tensors} of encoder weights the source checkpoint carries
+    (a converted ResNet, the BatchNorm statistics of a reference-mode run): written beside the
+    model under their usual names and named by their bare file names, as the source did."""
     if half:
         model = model.half()
     extra = {k: v for k, v in meta.items() if k not in RESERVED_CHECKPOINT_KEYS}
@@ -97,7 +128,15 @@ def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool
         extra["averaged_from"] = averaged_from
     if note:
         extra["note"] = note
-    return model.save_pretrained(out, extra=extra)
+    files = {}
+    for key, tensors in (carried or {}).items():
+        name = Path(str(meta["encoders"][key])).name
+        extra["encoders"] = {**extra["encoders"], key: name}
+        files[name] = tensors
+    d = model.save_pretrained(out, extra=extra)
+    if files:
+        write_tensor_files(Path(d), files)
+    return d
 
 
 def write_checkpoint_folder(out: str | Path, write: Callable[[Path], Any], *, replace: bool = False,

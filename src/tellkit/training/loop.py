@@ -369,7 +369,10 @@ class Trainer:
                                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
         if cfg.init_from and not self.resume:
 
-            self.log(f"initial weights from {load_weights_into(model, cfg.init_from)}")
+            source = load_weights_into(model, cfg.init_from)
+            self.log(f"initial weights from {source}")
+            if task.restore_checkpoint_files(source):
+                self.log(f"encoder state from {source} (what the run saved beside its model)")
         self.model = model.to(dist.device)
         self.train_set = task.build_dataset("train")
         val_set = task.build_dataset("val")
@@ -427,6 +430,7 @@ class Trainer:
                 _seed_all(self.cfg.seed * 7919 + dist.rank + st.step)
             st.world = dist.world
             self.saved = None  # free the tensors read from disk
+            self.task.restore_checkpoint_files(where)
             self.log(f"resumed from {where} (step {st.step}, epoch {st.epoch}, batch {st.pos})")
         self.ddp_model = self.model
         if dist.enabled:
@@ -629,5 +633,7 @@ class Trainer:
         """A complete state (model, optimizer, RNGs, trainer state) as the new ``last``."""
         trainer_state = {**asdict(self.state), "schedule": self.schedule.state_dict(),
                          "scaler": self.scaler.state_dict() if self.scaler else None}
-        return self.ckpts.save(self.state.step, self.model, self.optimizer, trainer_state, extra=self.extra,
+        files = self.task.checkpoint_files() if self.dist.is_main else None
+        return self.ckpts.save(self.state.step, self.model, self.optimizer, trainer_state,
+                               extra=self.task.checkpoint_meta(self.extra), files=files,
                                rank=self.dist.rank, agree=self.dist.any, best=best)

@@ -19,6 +19,7 @@ unknown keys; inference does not go through a task but through :mod:`tellkit.pip
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -66,6 +67,23 @@ class Task:
     def sample_size(self, dataset: Dataset, index: int) -> int:
         """Optional: cost of one sample (tokens/pixels) for bucketing; default 1."""
         return 1
+
+    # --- checkpoints -------------------------------------------------------------------
+    def checkpoint_files(self) -> dict[str, dict[str, Any]]:
+        """{file name: tensors} kept beside the model in every training checkpoint, for state
+        that training changes outside the model (an encoder's BatchNorm statistics); none by
+        default. :meth:`checkpoint_meta` names them in ``config.json``."""
+        return {}
+
+    def checkpoint_meta(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """The recipe sections a checkpoint's ``config.json`` stores, adjusted to name the
+        :meth:`checkpoint_files` (default: unchanged)."""
+        return meta
+
+    def restore_checkpoint_files(self, directory: Path) -> bool:
+        """Read back what :meth:`checkpoint_files` saved in the checkpoint ``directory`` (on
+        ``--resume`` and from ``train.init_from``); True when something was read."""
+        return False
 
     # --- evaluation --------------------------------------------------------------------
     def predict(self, model: nn.Module, batch: dict[str, Any]) -> list[dict[str, Any]]:

@@ -337,3 +337,68 @@ def test_captioning_task_reads_the_contexts_of_the_model_family():
     assert CaptioningTask(tat).contexts == ("image", "article", "faces")
     tat_article = {"task": "captioning", "model": {"name": "transform_and_tell", "contexts": ["article"]}}
     assert CaptioningTask(tat_article).contexts == ("article",)
+
+
+# --- Show, Attend and Tell: hard (stochastic) attention ----------------------------------------
+def test_hard_attention_reads_one_location_and_the_estimator_by_hand():
+    """Every image draws (expected_context_prob 0): each step reads one grid vector; the loss is
+    the NLL plus -lambda_r (log p(y|s) - b) sum_t log p(s_t) - lambda_e sum_t H_t, per token."""
+    m = tiny("show_attend_tell", attention="hard", expected_context_prob=0.0, entropy_weight=0.1, **NO_DROP).train()
+    b = make_batch()
+    inp, target = b["caption"][:, :-1], b["caption"][:, 1:]
+    mask = target != 1
+    seen = []
+    real_bmm = torch.bmm
+
+    def spy(x, y):  # the weights each step multiplies the grid with
+        if x.dim() == 3 and x.size(1) == 1 and y.size(1) == 5:
+            seen.append(x.detach().squeeze(1))
+        return real_bmm(x, y)
+
+    torch.manual_seed(5)
+    hard = {}
+    try:
+        torch.bmm = spy
+        deep, alpha, _ = m.teacher_forced(b, inp, hard)
+    finally:
+        torch.bmm = real_bmm
+    assert seen and all(bool(((w == 0) | (w == 1)).all()) and bool((w.sum(-1) == 1).all()) for w in seen)
+    assert hard["draws"].all() and hard["logp"].shape == mask.shape
+    # the same draws again (same seed): the forward's loss equals the estimator written out
+    torch.manual_seed(5)
+    m.reward_baseline.fill_(-3.0)
+    m.baseline_started.fill_(True)
+    out = m(b)
+    lp = torch.zeros(mask.shape)
+    lp[mask] = m.out.target_log_probs(deep[mask], target[mask]).detach()
+    reward = lp.sum(1)
+    surrogate = (-1.0 * ((reward + 3.0) * (hard["logp"] * mask).sum(1)).sum()
+                 - 0.1 * (hard["entropy"] * mask).sum())
+    n = mask.sum()
+    assert float(out["loss"].detach()) == pytest.approx(float((-lp.sum() + surrogate) / n), rel=1e-4)
+    # the baseline moved toward the mean reward: b = 0.9 * (-3) + 0.1 * mean(log p(y|s))
+    assert float(m.reward_baseline) == pytest.approx(0.9 * -3.0 + 0.1 * float(reward.mean()), rel=1e-4)
+
+
+def test_hard_attention_gradient_reaches_the_attention_through_reinforce():
+    """Every image draws and there is no entropy term: the one-hot reads carry no gradient to the
+    attention scores, so their gradient is the REINFORCE term's alone."""
+    m = tiny("show_attend_tell", attention="hard", expected_context_prob=0.0, entropy_weight=0.0, **NO_DROP).train()
+    m(make_batch())["loss"].backward()
+    assert float(m.att_score.weight.grad.abs().sum()) > 0  # no path but the REINFORCE term
+    soft = tiny("show_attend_tell", **NO_DROP).train()
+    assert "reward_baseline" not in soft.state_dict()  # soft checkpoints are unchanged
+
+
+def test_hard_attention_half_the_images_read_the_expected_context_and_search_is_deterministic():
+    m = tiny("show_attend_tell", attention="hard", **NO_DROP).train()
+    torch.manual_seed(0)
+    b = make_batch(B=64)
+    hard = {}
+    m.teacher_forced(b, b["caption"][:, :-1], hard)
+    assert 16 < int(hard["draws"].sum()) < 48  # about half draw, the rest read alpha
+    m.eval()
+    one, two = m.generate(b, max_len=5), m.generate(b, max_len=5)
+    assert one["tokens"] == two["tokens"]  # generation reads the expected context
+    with pytest.raises(Exception, match="attention must be"):
+        tiny("show_attend_tell", attention="sharp")

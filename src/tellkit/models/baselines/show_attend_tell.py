@@ -15,6 +15,20 @@ The last term is the doubly stochastic regulariser: over the whole caption, ever
 location should receive about one unit of attention. The loss is divided by the number of
 target tokens (the training loop's contract); ``nll_bits`` reports the caption part alone.
 
+``attention: hard`` is the paper's stochastic "hard" attention (its section 4.1): at every step
+one grid location s_t ~ Multinoulli(alpha_t) is read, z_t = a_{s_t}. Training maximises the
+variational lower bound sum_s p(s|a) log p(y|s,a) with one sampled s per caption and the
+paper's REINFORCE estimator:
+
+    d/dW  log p(y|s~,a)  +  lambda_r (log p(y|s~,a) - b) d/dW log p(s~|a)  +  lambda_e d/dW H[s~]
+
+with b an exponential moving average of log p(y|s~,a) (decay 0.9, a buffer saved with the
+weights), H the entropy of the attention distributions over the caption's steps, and, as in the
+paper, for half of the images (drawn per image and batch) s~ replaced by its expectation alpha
+(the soft context; no estimator terms for those). The doubly stochastic penalty is the soft
+model's and is not used with hard attention. Generation reads the expected context alpha (a
+deterministic search); the paper gives no value for lambda_e (``entropy_weight``).
+
 Differences from the paper: frozen tellkit image encoder (no fine-tuning); RoBERTa BPE ids as
 the vocabulary; the regulariser sums only over a caption's real steps (padding excluded); the
 search is the project's greedy / beam search.
@@ -60,10 +74,20 @@ class ShowAttendTellConfig:
     max_len: int = 100
     # the context sets the captioning task must provide: the image grid only
     contexts: tuple[str, ...] = ("image",)
+    # "soft" (deterministic, the default) or "hard" (stochastic, REINFORCE; see the module text)
+    attention: str = "soft"
+    reinforce_weight: float = 1.0  # hard: lambda_r
+    entropy_weight: float = 0.01  # hard: lambda_e
+    expected_context_prob: float = 0.5  # hard: share of images read with the expected context
+    baseline_decay: float = 0.9  # hard: the moving-average baseline's decay
 
     def __post_init__(self):
         self.adaptive_cutoffs = tuple(self.adaptive_cutoffs)
         self.contexts = tuple(self.contexts)
+        if self.attention not in ("soft", "hard"):
+            raise ValueError(f"attention must be 'soft' or 'hard', got {self.attention!r}")
+        if not 0.0 <= self.expected_context_prob <= 1.0 or not 0.0 <= self.baseline_decay < 1.0:
+            raise ValueError("expected_context_prob must be in [0, 1] and baseline_decay in [0, 1)")
         if self.contexts != ("image",):
             raise ValueError("Show, Attend and Tell reads the image only: contexts must be [image], "
                              f"got {list(self.contexts)}")
@@ -86,6 +110,14 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         self.out_hidden = nn.Linear(H, E)  # L_h
         self.out_context = nn.Linear(D, E, bias=False)  # L_z
         self.out = VocabOutput(cfg.vocab_size, E, cfg.adaptive_cutoffs, cfg.adaptive_factor)  # L_o
+        if cfg.attention == "hard":  # the REINFORCE baseline b and whether it has started
+            self.register_buffer("reward_baseline", torch.zeros(()))
+            self.register_buffer("baseline_started", torch.zeros((), dtype=torch.bool))
+
+    @property
+    def samples_attention(self) -> bool:
+        """Hard attention draws locations in training; searches read the expected context."""
+        return self.config.attention == "hard" and self.training
 
     # -- one decoding step ------------------------------------------------------------------
     def encode(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -98,7 +130,16 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         """One word: returns (deep output vector [B, E], attention [B, N], new state)."""
         e = self.att_score(torch.tanh(s["wa"] + self.att_hidden(s["h"])[:, None, :])).squeeze(-1)
         alpha = masked_softmax(e, s["valid"]).to(s["a"].dtype)
-        z = torch.bmm(alpha[:, None, :], s["a"]).squeeze(1)
+        read = alpha
+        if self.samples_attention:  # one location per caption whose image draws, else alpha
+            picked = torch.multinomial(alpha.float().clamp(min=0) + (~s["valid"].any(-1, keepdim=True)).float(), 1)
+            one_hot = torch.zeros_like(alpha).scatter_(1, picked, 1.0)
+            draws = s["draws"][:, None]
+            read = torch.where(draws, one_hot, alpha)
+            p = alpha.float()
+            logp = torch.log(p.gather(1, picked).squeeze(1).clamp(min=1e-12))
+            s = {**s, "logp_s": logp * s["draws"], "entropy": -(p * torch.log(p.clamp(min=1e-12))).sum(-1)}
+        z = torch.bmm(read[:, None, :], s["a"]).squeeze(1)
         if self.beta is not None:
             z = torch.sigmoid(self.beta(s["h"])) * z
         emb = self.embed(y_prev)
@@ -106,25 +147,60 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         deep = emb + self.out_hidden(h) + self.out_context(z)
         return F.dropout(deep, self.config.dropout, self.training), alpha, {**s, "h": h, "c": c}
 
-    def teacher_forced(self, batch: dict[str, Any], inp: torch.Tensor):
-        """Deep outputs [B, T, E] and attention [B, T, N] for input tokens ``inp`` [B, T]."""
+    def teacher_forced(self, batch: dict[str, Any], inp: torch.Tensor, hard: dict | None = None):
+        """Deep outputs [B, T, E] and attention [B, T, N] for input tokens ``inp`` [B, T]. With
+        hard attention in training, ``hard`` receives the per-step log p(s~_t) and entropies
+        ([B, T] each) and which captions drew (``draws`` [B])."""
         s = self.encode(batch)
-        logits, alphas = [], []
+        if self.samples_attention:
+            B = s["a"].size(0)
+            s["draws"] = torch.rand(B, device=s["a"].device) >= self.config.expected_context_prob
+        logits, alphas, logps, ents = [], [], [], []
         for t in range(inp.size(1)):
             lg, alpha, s = self.step(inp[:, t], s)
             logits.append(lg)
             alphas.append(alpha)
+            if self.samples_attention:
+                logps.append(s["logp_s"])
+                ents.append(s["entropy"])
+        if hard is not None and logps:
+            hard.update(logp=torch.stack(logps, 1), entropy=torch.stack(ents, 1), draws=s["draws"])
         return torch.stack(logits, 1), torch.stack(alphas, 1), s["valid"]
+
+    def _reinforce(self, hard: dict, target_lp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The hard-attention estimator's terms as a summed surrogate (added to the summed NLL):
+        -lambda_r (log p(y|s~) - b) sum_t log p(s~_t) - lambda_e sum_t H_t; updates b."""
+        cfg = self.config
+        reward = target_lp.detach().float().sum(1)  # log p(y | s~, a) per caption
+        draws = hard["draws"]
+        m = mask.float()
+        surrogate = -cfg.entropy_weight * (hard["entropy"] * m).sum()
+        if bool(draws.any()):
+            b = self.reward_baseline
+            advantage = (reward - b) * draws.float()
+            surrogate = surrogate - cfg.reinforce_weight * (advantage * (hard["logp"] * m).sum(1)).sum()
+            with torch.no_grad():
+                mean = reward[draws].mean()
+                new = torch.where(self.baseline_started, cfg.baseline_decay * b + (1 - cfg.baseline_decay) * mean, mean)
+                self.reward_baseline.copy_(new)
+                self.baseline_started.fill_(True)
+        return surrogate
 
     # -- training -----------------------------------------------------------------------------
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         inp, target, mask = shift(batch["caption"], self.config.pad_id)
-        deep, alpha, valid = self.teacher_forced(batch, inp)
+        hard: dict[str, torch.Tensor] = {}
+        deep, alpha, valid = self.teacher_forced(batch, inp, hard)
         reg = None
-        if self.config.doubly_stochastic > 0:
+        if self.config.doubly_stochastic > 0 and self.config.attention == "soft":
             total = (alpha.float() * mask[..., None]).sum(1)  # [B, N]: attention each location received
             reg = self.config.doubly_stochastic * (((1.0 - total) ** 2) * valid).sum()
-        out = token_loss(self.out.target_log_probs(deep[mask], target[mask]), mask.sum(), reg)
+        target_lp = self.out.target_log_probs(deep[mask], target[mask])
+        if hard:
+            per_token = torch.zeros(mask.shape, dtype=target_lp.dtype, device=target_lp.device)
+            per_token[mask] = target_lp
+            reg = self._reinforce(hard, per_token, mask)
+        out = token_loss(target_lp, mask.sum(), reg)
         if reg is not None:
             out["attention_reg"] = reg.detach() / out["ntokens"].clamp(min=1)
         return out

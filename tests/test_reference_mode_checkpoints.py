@@ -10,7 +10,6 @@ import yaml
 from safetensors.torch import load_file
 
 import tellkit
-
 from tellkit.checkpoint import IMAGE_ENCODER_FILE, load_model, read_checkpoint_config
 from tellkit.cli import main
 from tellkit.encoders.image import build_image_encoder

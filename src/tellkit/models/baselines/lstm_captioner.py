@@ -128,10 +128,12 @@ class LSTMCaptioner(nn.Module, PretrainedMixin):
                 "c": [self.c0[i].expand(n, -1) for i in range(cfg.num_layers)],
                 "feed": self.h0.new_zeros(n, cfg.hidden_dim)}
 
-    def step(self, y_prev: torch.Tensor, s: dict[str, Any]):
-        """One word: (output vector [B, embed_dim], attention {context: [B, S]}, new state)."""
+    def step(self, y_prev: torch.Tensor, s: dict[str, Any], emb: torch.Tensor | None = None):
+        """One word: (output vector [B, embed_dim], attention {context: [B, S]}, new state).
+        ``emb``: the word's embedding when the caller looked the whole caption up at once."""
         p = self.config.dropout
-        x = torch.cat([F.dropout(self.embed(y_prev), p, self.training), s["feed"]], dim=-1)
+        emb = self.embed(y_prev) if emb is None else emb
+        x = torch.cat([F.dropout(emb, p, self.training), s["feed"]], dim=-1)
         hs, cs = [], []
         for i, cell in enumerate(self.cells):
             h, c = cell(x, (s["h"][i], s["c"][i]))
@@ -149,8 +151,9 @@ class LSTMCaptioner(nn.Module, PretrainedMixin):
     def teacher_forced(self, batch: dict[str, Any], inp: torch.Tensor):
         s = self.encode(batch)
         ys, alphas = [], {name: [] for name in self.config.contexts}
+        embs = self.embed(inp)  # one lookup: one embedding backward, not one per step
         for t in range(inp.size(1)):
-            y, a, s = self.step(inp[:, t], s)
+            y, a, s = self.step(inp[:, t], s, embs[:, t])
             ys.append(y)
             for name, w in a.items():
                 alphas[name].append(w)

@@ -126,8 +126,10 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         return {"a": a, "valid": valid, "wa": self.att_image(a),
                 "h": torch.tanh(self.init_h(mean)), "c": torch.tanh(self.init_c(mean))}
 
-    def step(self, y_prev: torch.Tensor, s: dict[str, torch.Tensor]):
-        """One word: returns (deep output vector [B, E], attention [B, N], new state)."""
+    def step(self, y_prev: torch.Tensor, s: dict[str, torch.Tensor], emb: torch.Tensor | None = None):
+        """One word: returns (deep output vector [B, E], attention [B, N], new state). ``emb``:
+        the word's embedding when the caller has it (teacher forcing embeds the whole caption in
+        one lookup: one embedding backward, not one dense vocabulary-sized gradient per step)."""
         e = self.att_score(torch.tanh(s["wa"] + self.att_hidden(s["h"])[:, None, :])).squeeze(-1)
         alpha = masked_softmax(e, s["valid"]).to(s["a"].dtype)
         read = alpha
@@ -142,7 +144,7 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         z = torch.bmm(read[:, None, :], s["a"]).squeeze(1)
         if self.beta is not None:
             z = torch.sigmoid(self.beta(s["h"])) * z
-        emb = self.embed(y_prev)
+        emb = self.embed(y_prev) if emb is None else emb
         h, c = self.cell(torch.cat([F.dropout(emb, self.config.dropout, self.training), z], dim=-1), (s["h"], s["c"]))
         deep = emb + self.out_hidden(h) + self.out_context(z)
         return F.dropout(deep, self.config.dropout, self.training), alpha, {**s, "h": h, "c": c}
@@ -156,8 +158,9 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
             B = s["a"].size(0)
             s["draws"] = torch.rand(B, device=s["a"].device) >= self.config.expected_context_prob
         logits, alphas, logps, ents = [], [], [], []
+        embs = self.embed(inp)
         for t in range(inp.size(1)):
-            lg, alpha, s = self.step(inp[:, t], s)
+            lg, alpha, s = self.step(inp[:, t], s, embs[:, t])
             logits.append(lg)
             alphas.append(alpha)
             if self.samples_attention:

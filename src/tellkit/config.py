@@ -46,7 +46,7 @@ def resolve_config_path(name: str | os.PathLike) -> Path:
 
 # The top-level sections a run recipe may have (``base:`` is resolved while loading). A new
 # section is added here, so that a misspelt one (``trian:``) is refused instead of ignored.
-RECIPE_SECTIONS = ("task", "model", "data", "train", "eval", "encoders", "row", "published")
+RECIPE_SECTIONS = ("task", "model", "data", "train", "eval", "encoders", "scst", "row", "published")
 
 
 def check_recipe_sections(recipe: Mapping[str, Any], where: str = "recipe") -> None:

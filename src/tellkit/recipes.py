@@ -325,6 +325,36 @@ class CaptionDataConfig:
         self.options = dict(self.options or {})
 
 
+SCST_BASELINES = ("mean", "greedy")
+
+
+@dataclass
+class SelfCriticalConfig:
+    """A captioning recipe's ``scst:`` section: self-critical sequence training (Rennie et al.
+    2017), fine-tuning a trained captioner on the CIDEr-D of captions it draws itself
+    (:mod:`tellkit.training.self_critical`). Present = on; absent = cross-entropy training."""
+
+    samples: int = 5  # captions drawn per image and step
+    max_len: int = 20  # BPE tokens per drawn caption, EOS included
+    min_len: int = 1
+    temperature: float = 1.0
+    # what a drawn caption's reward is compared with: "mean" of the image's other drawn captions
+    # (Luo 2020, no extra decoding) | "greedy": the image's greedy caption (Rennie et al. 2017)
+    baseline: str = "mean"
+    lowercase: bool = True  # the reward's text is lower-cased like the Flickr8k / COCO metrics'
+
+    def __post_init__(self) -> None:
+        if self.baseline not in SCST_BASELINES:
+            raise TellkitError(f"scst.baseline must be one of {', '.join(SCST_BASELINES)}, got {self.baseline!r}")
+        if int(self.samples) < 1 or (self.baseline == "mean" and int(self.samples) < 2):
+            raise TellkitError(f"scst.samples must be >= 2 with baseline 'mean' (>= 1 with 'greedy'), "
+                               f"got {self.samples}")
+        if int(self.max_len) < 1 or not 1 <= int(self.min_len) <= int(self.max_len):
+            raise TellkitError(f"scst needs 1 <= min_len <= max_len, got {self.min_len} and {self.max_len}")
+        if not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise TellkitError(f"scst.temperature must be a positive finite number, got {self.temperature}")
+
+
 @dataclass
 class CaptionEvalConfig(CaptionGeneration):
     """A captioning recipe's ``eval:`` section: the generation settings and how predictions are scored."""

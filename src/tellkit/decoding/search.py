@@ -155,3 +155,39 @@ def run_search(make_decoder, batch_size: int, *, beam_size: int = 1, length_pena
     if n_best > 1:
         out["n_best"] = [[(h.tokens, h.score) for h in hs] for hs in nbest]
     return out
+
+
+@torch.no_grad()
+def sample_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, eos_id: int, pad_id: int,
+                  max_len: int, min_len: int = 1, temperature: float = 1.0,
+                  generator: torch.Generator | None = None,
+                  device: torch.device | str = "cpu") -> list[Hypothesis]:
+    """Draw one sequence per decoder row from the model's distribution (softmax of the
+    log-probabilities / ``temperature``), token by token; the same constraints as the searches
+    (no BOS/PAD, EOS not before ``min_len``, EOS at ``max_len``). ``log_prob`` is the sum of the
+    drawn tokens' log-probabilities under the model (temperature 1), EOS included."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    tokens = torch.full((batch_size, 1), bos_id, dtype=torch.long, device=device)
+    alive = torch.arange(batch_size, device=device)
+    out_tokens: list[list[int]] = [[] for _ in range(batch_size)]
+    out_lp = [0.0] * batch_size
+    for step in range(max_len):
+        lp = decoder.step(tokens).float()
+        _constrain(lp, step, eos_id=eos_id, bos_id=bos_id, pad_id=pad_id, min_len=min_len, max_len=max_len)
+        probs = torch.softmax(lp / temperature, dim=-1)
+        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        drawn_lp = lp.gather(1, drawn[:, None]).squeeze(1)
+        for b, tok, tok_lp in zip(alive.tolist(), drawn.tolist(), drawn_lp.tolist()):
+            out_lp[b] += tok_lp
+            if tok != eos_id:
+                out_tokens[b].append(tok)
+        tokens = torch.cat([tokens, drawn[:, None]], dim=1)
+        done = drawn == eos_id
+        if done.any():
+            keep = (~done).nonzero(as_tuple=True)[0]
+            if keep.numel() == 0:
+                break
+            decoder.reorder(keep)
+            tokens, alive = tokens[keep], alive[keep]
+    return [Hypothesis(t, lp / max(len(t) + 1, 1), lp) for t, lp in zip(out_tokens, out_lp)]

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.decoding.search import run_search
+from tellkit.decoding.search import run_search, sample_search
 from tellkit.decoding.state import RowContext, reorder_state
 from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
@@ -308,7 +308,9 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         return torch.log(gate[..., None] * lp.exp() + (1 - gate[..., None]) * copy)
 
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Teacher-forced loss: mean cross-entropy (nats) over the caption's target tokens."""
+        """Teacher-forced loss: mean cross-entropy (nats) over the caption's target tokens. With
+        ``batch["sequence_weights"]`` [B] each caption's token log-probabilities are weighted
+        by its row's value (self-critical training: the reward advantage of a drawn caption)."""
         cap = batch["caption"]
         inp, target = cap[:, :-1], cap[:, 1:]
         ctx = self.project_contexts(self.encode_contexts(batch))
@@ -322,6 +324,11 @@ class TransformAndTell(nn.Module, PretrainedMixin):
             copy_p = (w * hit).sum(-1)[mask]
             g = gate[mask]
             lp = torch.logaddexp(torch.log(g) + lp, torch.log1p(-g) + torch.log(copy_p))
+        weights = batch.get("sequence_weights")
+        if weights is not None:
+            if weights.shape != cap.shape[:1]:
+                raise TellkitError(f"sequence_weights must be [{cap.size(0)}], got {tuple(weights.shape)}")
+            lp = lp * weights.to(lp.dtype)[:, None].expand_as(target)[mask]
         return token_loss(lp, mask.sum())
 
     @torch.no_grad()
@@ -353,6 +360,22 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         if return_attention:
             out["attention"] = self._attention_for(ctx, out["tokens"])
         return out
+
+    @torch.no_grad()
+    def sample(self, batch: dict[str, Any], num_samples: int = 1, max_len: int | None = None, min_len: int = 1,
+               temperature: float = 1.0, generator: torch.Generator | None = None) -> dict[str, Any]:
+        """``num_samples`` captions drawn from the model for each input (rows of input b are
+        consecutive): ``tokens`` (no BOS/EOS) and ``log_probs`` (their summed log-probabilities)."""
+        cfg = self.config
+        ctx = self.encode_contexts(batch)
+        B = next(iter(ctx.feats.values()))[0].size(0)
+        device = next(iter(ctx.feats.values()))[0].device
+        ctx = self.project_contexts(ctx)
+        rows = torch.arange(B, device=device).repeat_interleave(num_samples)
+        hyps = sample_search(_Incremental(self, ctx.index_select(rows), rows), B * num_samples, bos_id=cfg.bos_id,
+                             eos_id=cfg.eos_id, pad_id=cfg.pad_id, max_len=max_len or cfg.max_len, min_len=min_len,
+                             temperature=temperature, generator=generator, device=device)
+        return {"tokens": [h.tokens for h in hyps], "log_probs": [h.log_prob for h in hyps]}
 
     def _attention_for(self, ctx: Contexts, token_lists: list[list[int]]) -> list[list[dict[str, list[float]]]]:
         """Re-run the chosen captions teacher-forced to read the attention each token was

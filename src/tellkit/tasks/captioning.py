@@ -59,12 +59,14 @@ from tellkit.encoders.tokenizer import CaptionTokenizer
 from tellkit.encoders.weights import load_strict, read_state_dict
 from tellkit.errors import TellkitError
 from tellkit.metrics.caption import METRICS, score_captions_detailed
+from tellkit.metrics.cider_d import CiderD, prepare
 from tellkit.metrics.linguistic import linguistic_scores
 from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores, resolve_model, train_proper_nouns
-from tellkit.recipes import CaptionDataConfig, CaptionEvalConfig, EncodersConfig, section
+from tellkit.recipes import CaptionDataConfig, CaptionEvalConfig, EncodersConfig, SelfCriticalConfig, section
 from tellkit.registry import model_contexts
 from tellkit.tasks import register_task
 from tellkit.training.evaluation import to_device
+from tellkit.training.self_critical import SelfCritical
 from tellkit.training.task import Task
 
 
@@ -206,12 +208,17 @@ class CaptioningTask(Task):
     """``bundle``: the encoders to use (e.g. one shared by several runs, see ``tellkit table``);
     default: the recipe's ``encoders:`` built on first use."""
 
+    task_sections = ("scst",)
+
     def __init__(self, recipe: Mapping[str, Any], bundle: EncoderBundle | None = None):
         super().__init__(recipe)
         self.model_cfg = section(self.recipe, "model")
         self.data = section(self.recipe, "data", CaptionDataConfig)
         self.eval = section(self.recipe, "eval", CaptionEvalConfig)
         self.encoders = section(self.recipe, "encoders", EncodersConfig)
+        # self-critical training (an ``scst:`` section), set up with the training data
+        self.scst = section(self.recipe, "scst", SelfCriticalConfig) if self.recipe.get("scst") is not None else None
+        self.self_critical: SelfCritical | None = None
         self.contexts = model_contexts(self.model_cfg)
         if self.encoders.mode == "reference" and self.data.features:
             raise TellkitError("data.features cannot be used with encoders.mode: reference (its features depend on "
@@ -256,8 +263,23 @@ class CaptioningTask(Task):
         limit = (self.data.limit or {}).get(split)
         if limit:
             samples = samples[: int(limit)]
-        per_image = split != "train" and self.data.format in ("coco", "flickr8k") and self.data.context == "none"
-        return CaptionDataset(samples, self, split, per_image)
+        several_refs = self.data.format in ("coco", "flickr8k") and self.data.context == "none"
+        # self-critical training draws captions per image and scores them against all its references
+        per_image = several_refs and (split != "train" or self.scst is not None)
+        dataset = CaptionDataset(samples, self, split, per_image)
+        if split == "train" and self.scst is not None:
+            self.setup_self_critical(dataset.refs)
+        return dataset
+
+    def setup_self_critical(self, train_references: list[list[str]]) -> None:
+        """The reward of self-critical training: CIDEr-D with the document frequencies of the
+        training references (one list per image)."""
+        lc = self.scst.lowercase
+        reward = CiderD([[prepare(r, lc) for r in refs] for refs in train_references])
+        tok = self.tokenizer
+        seed = int(section(self.recipe, "train").get("seed", 1))
+        self.self_critical = SelfCritical(self.scst, reward, tok.decode, bos_id=tok.bos_id, eos_id=tok.eos_id,
+                                          pad_id=tok.pad_id, generator=torch.Generator().manual_seed(seed))
 
     def encode_sample(self, s: CaptionSample) -> CaptionItem:
         """Context tensors of one sample with the frozen encoders (no cache)."""
@@ -318,6 +340,18 @@ class CaptioningTask(Task):
         items = [{**{k: v for k, v in it.items() if k != "input"}, **{n: f[n] for n in names}}
                  for it, f in zip(batch["items"], feats)]
         return to_device(collate_captions(items, self.contexts, self.tokenizer.pad_id), device)
+
+    def training_batch(self, batch, model):
+        """With an ``scst:`` section: the captions the model draws for the batch's images,
+        weighted by their reward advantage (:mod:`tellkit.training.self_critical`)."""
+        if self.scst is None:
+            return batch
+        if self.self_critical is None:
+            raise TellkitError("self-critical training is set up with the training data (build_dataset('train'))")
+        return self.self_critical.batch(model, batch)
+
+    def training_stats(self):
+        return self.self_critical.take_stats() if self.self_critical is not None else {}
 
     def batch_sampler(self, dataset, split, *, shuffle, seed, epoch):
         max_tokens = section(self.recipe, "train").get("max_tokens")

@@ -541,7 +541,8 @@ class Trainer:
         step_loss = torch.zeros((), dtype=torch.float64, device=dist.device)
         step_tok = torch.zeros((), dtype=torch.float64, device=dist.device)
         for i, batch in enumerate(group):
-            batch = self.task.on_device(to_device(batch, dist.device), self.model)
+            batch = self.task.training_batch(self.task.on_device(to_device(batch, dist.device), self.model),
+                                             self.model)
             sync = i == len(group) - 1
             with (self.ddp_model.no_sync() if dist.enabled and not sync else nullcontext()):
                 with autocast(dist.device, self.amp_dtype):
@@ -589,12 +590,16 @@ class Trainer:
                    "grad_norm": float(gnorm), "tokens": int(st.window_tokens), "tokens_per_s": st.window_tokens / dt,
                    "elapsed_s": time.time() - self.t0}
             self.train_csv.write(row)
+            extra = self.task.training_stats()
             if self.tb:
                 for k in ("loss", "lr", "grad_norm", "tokens_per_s"):
                     self.tb.add_scalar(f"train/{k}", row[k], st.step)
+                for k, v in extra.items():
+                    self.tb.add_scalar(f"train/{k}", v, st.step)
             if bar is None:
+                more = "".join(f" {k} {v:.4g}" for k, v in extra.items())
                 self.log(f"step {st.step} epoch {st.epoch}: loss {row['loss']:.4f} lr {lr:.3g} "
-                         f"|g| {row['grad_norm']:.3g}")
+                         f"|g| {row['grad_norm']:.3g}{more}")
         st.window_loss = st.window_tokens = 0.0
         self.window_start = time.time()
 

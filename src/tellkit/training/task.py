@@ -28,14 +28,22 @@ from torch.utils.data import Dataset
 from tellkit.errors import TellkitError
 from tellkit.registry import create_model
 
+# recipe sections that only some tasks read (a task lists those it reads in ``task_sections``)
+TASK_SECTIONS = ("scst",)
+
 
 class Task:
     """Subclass, decorate with ``@register_task("name")`` and fill in the hooks."""
 
     name: str = "base"
+    # the task-specific recipe sections (tellkit.config.RECIPE_SECTIONS) this task reads
+    task_sections: tuple[str, ...] = ()
 
     def __init__(self, recipe: Mapping[str, Any]):
         self.recipe = dict(recipe)  # the resolved recipe: task, model, data, train, eval sections
+        for name in TASK_SECTIONS:
+            if self.recipe.get(name) is not None and name not in self.task_sections:
+                raise TellkitError(f"the recipe has an '{name}' section, which the '{self.name}' task does not read")
 
     # --- model -------------------------------------------------------------------------
     def build_model(self) -> nn.Module:
@@ -58,6 +66,17 @@ class Task:
         device; called by the training step and the evaluator (``model.training`` tells which),
         e.g. to run encoders in the step. Default: the batch as it is."""
         return batch
+
+    def training_batch(self, batch: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+        """The batch the training step's forward reads, from the :meth:`on_device` batch (the
+        unwrapped ``model`` in train mode), e.g. captions the model drew itself with their
+        weights (self-critical training). Default: the batch as it is."""
+        return batch
+
+    def training_stats(self) -> dict[str, float]:
+        """Figures of the steps since the last call that the trainer logs beside the loss
+        (e.g. the mean reward of self-critical training); none by default."""
+        return {}
 
     def batch_sampler(self, dataset: Dataset, split: str, *, shuffle: bool, seed: int,
                       epoch: int) -> Iterable[list[int]] | None:

@@ -199,7 +199,7 @@ def test_a_model_that_cannot_draw_is_refused():
 # --- the recipe section ---------------------------------------------------------------------------
 @pytest.mark.parametrize("bad,match", [({"baseline": "best"}, "baseline"), ({"samples": 1}, "samples"),
                                        ({"max_len": 0}, "min_len"), ({"temperature": 0}, "temperature"),
-                                       ({"sample": 5}, "unknown key")])
+                                       ({"xe_weight": -1}, "xe_weight"), ({"sample": 5}, "unknown key")])
 def test_scst_section_is_checked(bad, match):
     with pytest.raises(TellkitError, match=match):
         section({"scst": bad}, "scst", SelfCriticalConfig)
@@ -246,3 +246,23 @@ def test_scst_recipe_trains_through_the_cli(tmp_path, shared_data):
     assert " reward " in stdout  # the log lines: mean reward of the drawn captions
     cfg = json.loads((run / "checkpoints" / "last" / "config.json").read_text(encoding="utf-8"))
     assert cfg["config"]["d_model"] == 16
+
+
+def test_xe_weight_adds_the_reference_captions_cross_entropy():
+    m = tiny(**NO_DROPOUT).eval()
+    critic, refs = _critic()
+    batch = {**image_batch(B=2), "references": refs}
+    drawn = critic.batch(m, batch)
+    critic.cfg.xe_weight = 0.5
+    critic.generator.manual_seed(0)
+    mixed = critic.batch(m, batch)
+    critic.cfg.xe_weight = 0.0
+    assert mixed["caption"].size(0) == 10 and mixed["references"][8:] == refs
+    torch.testing.assert_close(mixed["sequence_weights"][8:], torch.full((2,), 0.5))
+    torch.testing.assert_close(mixed["image"][8:], batch["image"])
+    # the summed weighted log-likelihood is the drawn captions' plus 0.5 x the references'
+    def summed(b):
+        out = m(b)
+        return out["loss"] * out["ntokens"]
+    expect = summed(drawn) + 0.5 * m(batch)["loss"] * m(batch)["ntokens"]
+    torch.testing.assert_close(summed(mixed), expect, atol=1e-4, rtol=1e-5)

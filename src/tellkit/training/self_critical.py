@@ -7,7 +7,9 @@ either the mean reward of the image's other drawn captions (Luo 2020, "A Better 
 Self-Critical Sequence Training") or the reward of the image's greedy caption (the original). The
 loss is the REINFORCE estimate ``-sum_t (r - b) log p(w_t)`` over the drawn captions' tokens,
 divided by their number, which the model computes in its teacher-forced pass with
-``batch["sequence_weights"]``; the trainer (:mod:`tellkit.training.loop`) is unchanged.
+``batch["sequence_weights"]``; the trainer (:mod:`tellkit.training.loop`) is unchanged. With
+``xe_weight`` > 0 the image's own reference caption joins the batch with that weight, so the
+loss mixes in its cross-entropy (which keeps the captions fluent and long).
 
 A recipe turns it on with an ``scst:`` section (:class:`tellkit.recipes.SelfCriticalConfig`)
 and starts from a cross-entropy checkpoint (``train.init_from``).
@@ -72,7 +74,10 @@ class SelfCritical:
         self._sum["reward"] += float(rewards.mean()) * B
         self._sum["baseline"] += float(baseline.mean()) * B
         self._n += B
-        return self.expand(batch, drawn["tokens"], (rewards - baseline).reshape(-1), K)
+        out = self.expand(batch, drawn["tokens"], (rewards - baseline).reshape(-1), K)
+        if cfg.xe_weight > 0:
+            out = self.add_references(out, batch, cfg.xe_weight)
+        return out
 
     def expand(self, batch: dict[str, Any], token_lists: Sequence[list[int]], weights: torch.Tensor,
                K: int) -> dict[str, Any]:
@@ -97,6 +102,27 @@ class SelfCritical:
                 out[k] = v
         out["caption"] = cap.to(device)
         out["sequence_weights"] = weights.to(device)
+        return out
+
+    def add_references(self, drawn: dict[str, Any], batch: dict[str, Any], weight: float) -> dict[str, Any]:
+        """``drawn`` with the batch's own captions appended as rows of weight ``weight``: their
+        cross-entropy joins the loss (one token mean over all rows)."""
+        ref = batch["caption"]
+        cap = drawn["caption"]
+        T = max(cap.size(1), ref.size(1))
+        pad = lambda x: torch.nn.functional.pad(x, (0, T - x.size(1)), value=self.pad_id)  # noqa: E731
+        out: dict[str, Any] = {}
+        for k, v in drawn.items():
+            if k == "caption":
+                out[k] = torch.cat([pad(cap), pad(ref)])
+            elif k == "sequence_weights":
+                out[k] = torch.cat([v, torch.full((ref.size(0),), float(weight), dtype=v.dtype, device=v.device)])
+            elif torch.is_tensor(v) and v.dim() > 0 and v.size(0) == cap.size(0):
+                out[k] = torch.cat([v, batch[k]])
+            elif k in _PER_IMAGE_LISTS and isinstance(v, (list, tuple)):
+                out[k] = [*v, *batch[k]]
+            else:
+                out[k] = v
         return out
 
     def take_stats(self) -> dict[str, float]:

@@ -420,7 +420,9 @@ def test_keep_checkpoints_and_average_them(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert (out / "model.safetensors").read_bytes() == before
     assert main(["average", str(tmp_path / "run"), "--last", "9", "--out", str(tmp_path / "x")]) == 2
-    assert "holds states of 3 step(s)" in capsys.readouterr().err
+    assert "holds states of 3 step(s) only" in capsys.readouterr().err
+    assert main(["average", str(tmp_path / "run"), "--last", "1", "--out", str(tmp_path / "x")]) == 2
+    assert "at least 2 states" in capsys.readouterr().err
     assert main(["average", str(tmp_path / "run"), "--out", str(tmp_path / "x")]) == 2
     assert "two or more" in capsys.readouterr().err
     assert main(["average", str(newest[0]), str(newest[0]), "--out", str(tmp_path / "x")]) == 2

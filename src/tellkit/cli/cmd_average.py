@@ -36,10 +36,12 @@ def sources(src: list[str], last: int | None) -> list:
         run = Path(src[0])
         if not (run / "checkpoints").is_dir():
             raise TellkitError(f"{run}: not a run folder of tellkit train (no checkpoints/)")
+        if last < 2:
+            raise TellkitError(f"--last {last}: averaging needs at least 2 states")
         states = CheckpointManager(run).newest_steps(last)
-        if last < 2 or len(states) < last:
-            raise TellkitError(f"--last {last}: {run} holds states of {len(states)} step(s); averaging needs "
-                               "at least 2 (train with --keep-checkpoints N to keep more)")
+        if len(states) < last:
+            raise TellkitError(f"--last {last}: {run} holds states of {len(states)} step(s) only "
+                               "(train with --keep-checkpoints N to keep more)")
         found = [p.resolve() for p in reversed(states)]  # oldest first
     dupes = sorted({str(p) for p in found if found.count(p) > 1})
     if dupes:

@@ -148,10 +148,12 @@ def test_train_then_evaluate_show_attend_tell_directly(tmp_path, shared_data):
     rc, stdout, err = _cli("train", recipe, f"data.features={tmp_path / 'feat'}", "train.max_steps=3",
                            "--out", run, "--no-progress", "--device", "cpu")
     assert rc == 0, err
+    assert "features:" not in err  # --no-progress: no bar for the feature cache either
     summary = json.loads(stdout[stdout.index("{"):])
     assert summary["steps"] == 3 and summary["best_checkpoint"]
     rc, stdout, err = _cli("evaluate", run, "--split", "test", "--no-progress", "--device", "cpu")
     assert rc == 0, err
+    assert "features:" not in err  # evaluate extracted the test split's features without a bar
     res = json.loads(stdout[stdout.index("{"):])
     assert res["n"] == 5 and "cider" in res["metrics"]
     # the run serves `tellkit caption` like a Transform and Tell run: attention over the grid per token

@@ -112,6 +112,7 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
     try:
         task = make_task(recipe) if task is None else task
         model = load_model(ckpt, map_location=info.device)
+        task.progress = progress
         dataset = task.build_dataset(split)
         if dataset is None or len(dataset) == 0:
             raise TellkitError(f"split '{split}' is empty")

@@ -162,7 +162,7 @@ class CaptionDataset(Dataset):
         tok = task.tokenizer
         keep = int(task.data.max_caption_tokens)  # not the generation length: training sees long captions whole
         self.caption_ids = [[tok.bos_id, *tok.encode(s.caption)[:keep], tok.eos_id] for s in self.samples]
-        self.store = cached_features(task, samples, split) if task.data.features else None
+        self.store = cached_features(task, samples, split, progress=task.progress) if task.data.features else None
         if self.store is not None:  # images the extractor could not read are left out (it reports them)
             keep = [i for i, s in enumerate(self.samples) if (s.image_id or s.id) in self.store]
             self.samples = [self.samples[i] for i in keep]

@@ -374,6 +374,7 @@ class Trainer:
             if task.restore_checkpoint_files(source):
                 self.log(f"encoder state from {source} (what the run saved beside its model)")
         self.model = model.to(dist.device)
+        task.progress = self.progress and self.dist.is_main
         self.train_set = task.build_dataset("train")
         val_set = task.build_dataset("val")
         if len(self.train_set) == 0:

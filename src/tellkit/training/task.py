@@ -38,6 +38,9 @@ class Task:
     name: str = "base"
     # the task-specific recipe sections (tellkit.config.RECIPE_SECTIONS) this task reads
     task_sections: tuple[str, ...] = ()
+    # progress bars for long work the task does itself (e.g. a feature cache built while a
+    # dataset is built); the trainer and the evaluator set it from their --no-progress
+    progress: bool = True
 
     def __init__(self, recipe: Mapping[str, Any]):
         self.recipe = dict(recipe)  # the resolved recipe: task, model, data, train, eval sections

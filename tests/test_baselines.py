@@ -16,6 +16,8 @@ TINY = {
     "show_tell_adaptive": dict(vocab_size=V, image_dim=16, embed_dim=16, hidden_dim=16, adaptive_cutoffs=[20, 50],
                                adaptive_factor=2.0),
     "show_attend_tell": dict(vocab_size=V, image_dim=16, embed_dim=12, hidden_dim=14, attention_dim=10),
+    "show_attend_tell_adaptive": dict(vocab_size=V, image_dim=16, embed_dim=16, hidden_dim=14, attention_dim=10,
+                                      adaptive_cutoffs=[20, 50], adaptive_factor=2.0, adaptive_input=True),
     "lstm_captioner": dict(vocab_size=V, image_dim=16, article_dim=24, article_layers=3, face_dim=8, object_dim=12,
                            embed_dim=16, hidden_dim=20, num_layers=2, adaptive_cutoffs=[20, 50],
                            contexts=["image", "article", "faces"]),
@@ -24,7 +26,7 @@ TINY = {
 
 def tiny(key: str, **kw):
     torch.manual_seed(0)
-    family = "show_tell" if key.startswith("show_tell") else key
+    family = key.removesuffix("_adaptive")
     return create_model(family, **{**TINY[key], **kw})
 
 
@@ -56,7 +58,23 @@ def seq_log_prob(model, batch, tokens):
     return -float(out["loss"]) * int(out["ntokens"]) if "attention_reg" not in out else None
 
 
-CAPTIONERS = ["show_tell", "show_tell_adaptive", "show_attend_tell", "lstm_captioner"]
+CAPTIONERS = ["show_tell", "show_tell_adaptive", "show_attend_tell", "show_attend_tell_adaptive", "lstm_captioner"]
+
+
+def test_show_attend_tell_adaptive_input_is_banded_and_smaller():
+    """``adaptive_input``: the embedding in the softmax's bands (16, 8, 4 wide here), projected
+    to embed_dim; far fewer numbers than one dense table at RoBERTa's vocabulary size."""
+    from tellkit.layers.adaptive import AdaptiveInput
+
+    m = tiny("show_attend_tell_adaptive")
+    assert isinstance(m.embed, AdaptiveInput)
+    assert [e.embedding_dim for e in m.embed.embeddings] == [16, 8, 4]
+    assert float(m.embed(torch.tensor([1])).abs().max()) == 0.0  # padding embeds to zero
+    big = dict(vocab_size=50265, image_dim=1280, embed_dim=512, hidden_dim=512, attention_dim=512,
+               adaptive_cutoffs=[5000, 20000], adaptive_factor=4.0)
+    dense = sum(p.numel() for p in create_model("show_attend_tell", **big).embed.parameters())
+    banded = sum(p.numel() for p in create_model("show_attend_tell", **big, adaptive_input=True).embed.parameters())
+    assert dense == 50265 * 512 and banded < dense // 4
 
 
 @pytest.mark.parametrize("key", CAPTIONERS)
@@ -72,7 +90,7 @@ def test_forward_backward_reaches_every_parameter(key):
 @pytest.mark.parametrize("key", CAPTIONERS)
 def test_greedy_scores_equal_teacher_forced_log_probs(key):
     """Incremental decoding (with rows dropped as they finish) = full recomputation."""
-    kw = {"doubly_stochastic": 0.0} if key == "show_attend_tell" else {}
+    kw = {"doubly_stochastic": 0.0} if key.startswith("show_attend_tell") else {}
     m = tiny(key, **NO_DROP, **kw).eval()
     b = make_batch()
     with torch.no_grad():

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
+from tellkit.layers.adaptive import AdaptiveInput
 from tellkit.layers.loss import token_loss
 from tellkit.models.baselines.common import (
     VocabOutput,
@@ -71,6 +72,10 @@ class ShowAttendTellConfig:
     doubly_stochastic: float = 1.0  # lambda of the attention regulariser (the paper: 1)
     adaptive_cutoffs: tuple[int, ...] = ()  # () = full softmax (the paper); e.g. [5000, 20000] = adaptive
     adaptive_factor: float = 4.0
+    # the input embedding in the same frequency bands as the adaptive softmax (smaller bands for
+    # rarer ids, projected to embed_dim; tellkit.layers.adaptive.AdaptiveInput) instead of one
+    # vocab_size x embed_dim table: about a fifth of its size with RoBERTa's 50,265 ids
+    adaptive_input: bool = False
     max_len: int = 100
     # the context sets the captioning task must provide: the image grid only
     contexts: tuple[str, ...] = ("image",)
@@ -105,7 +110,8 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         self.att_hidden = nn.Linear(H, A, bias=False)  # U_a
         self.att_score = nn.Linear(A, 1)  # w
         self.beta = nn.Linear(H, 1) if cfg.gate else None
-        self.embed = nn.Embedding(cfg.vocab_size, E, padding_idx=cfg.pad_id)
+        self.embed = (AdaptiveInput(cfg.vocab_size, E, cfg.adaptive_cutoffs, cfg.adaptive_factor, cfg.pad_id)
+                      if cfg.adaptive_input else nn.Embedding(cfg.vocab_size, E, padding_idx=cfg.pad_id))
         self.cell = nn.LSTMCell(E + D, H)
         self.out_hidden = nn.Linear(H, E)  # L_h
         self.out_context = nn.Linear(D, E, bias=False)  # L_z

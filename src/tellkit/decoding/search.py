@@ -52,11 +52,12 @@ def _ban_repeated_ngrams(lp: torch.Tensor, tokens: torch.Tensor, n: int, start: 
             lp[row, banned] = float("-inf")
 
 
-@torch.no_grad()
-def greedy_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, eos_id: int, pad_id: int,
-                  max_len: int, min_len: int = 1, no_repeat_ngram_size: int = 0,
-                  device: torch.device | str = "cpu") -> list[Hypothesis]:
-    """Pick the most likely token at every step. Finished rows are dropped from the decoder."""
+def _token_by_token(decoder: IncrementalDecoder, batch_size: int, choose, *, bos_id: int, eos_id: int, pad_id: int,
+                    max_len: int, min_len: int, no_repeat_ngram_size: int,
+                    device: torch.device | str) -> list[Hypothesis]:
+    """One token per row and step, ``choose(log_probs) -> tokens`` picking it from the
+    constrained log-probabilities; finished rows are dropped from the decoder. ``log_prob``
+    sums the chosen tokens' log-probabilities (EOS included)."""
     tokens = torch.full((batch_size, 1), bos_id, dtype=torch.long, device=device)
     alive = torch.arange(batch_size, device=device)  # batch index of each decoder row
     out_tokens: list[list[int]] = [[] for _ in range(batch_size)]
@@ -65,13 +66,14 @@ def greedy_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, 
         lp = decoder.step(tokens).float()
         _constrain(lp, step, eos_id=eos_id, bos_id=bos_id, pad_id=pad_id, min_len=min_len, max_len=max_len)
         _ban_repeated_ngrams(lp, tokens, no_repeat_ngram_size)
-        best_lp, best = lp.max(dim=-1)
-        done = best == eos_id
-        for b, tok, tok_lp in zip(alive.tolist(), best.tolist(), best_lp.tolist()):
+        chosen = choose(lp)
+        chosen_lp = lp.gather(1, chosen[:, None]).squeeze(1)
+        for b, tok, tok_lp in zip(alive.tolist(), chosen.tolist(), chosen_lp.tolist()):
             out_lp[b] += tok_lp
             if tok != eos_id:
                 out_tokens[b].append(tok)
-        tokens = torch.cat([tokens, best[:, None]], dim=1)
+        tokens = torch.cat([tokens, chosen[:, None]], dim=1)
+        done = chosen == eos_id
         if done.any():
             keep = (~done).nonzero(as_tuple=True)[0]
             if keep.numel() == 0:
@@ -79,6 +81,16 @@ def greedy_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, 
             decoder.reorder(keep)
             tokens, alive = tokens[keep], alive[keep]
     return [Hypothesis(t, lp / max(len(t) + 1, 1), lp) for t, lp in zip(out_tokens, out_lp)]
+
+
+@torch.no_grad()
+def greedy_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, eos_id: int, pad_id: int,
+                  max_len: int, min_len: int = 1, no_repeat_ngram_size: int = 0,
+                  device: torch.device | str = "cpu") -> list[Hypothesis]:
+    """Pick the most likely token at every step. Finished rows are dropped from the decoder."""
+    return _token_by_token(decoder, batch_size, lambda lp: lp.argmax(dim=-1), bos_id=bos_id, eos_id=eos_id,
+                           pad_id=pad_id, max_len=max_len, min_len=min_len,
+                           no_repeat_ngram_size=no_repeat_ngram_size, device=device)
 
 
 @torch.no_grad()
@@ -168,26 +180,9 @@ def sample_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, 
     drawn tokens' log-probabilities under the model (temperature 1), EOS included."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    tokens = torch.full((batch_size, 1), bos_id, dtype=torch.long, device=device)
-    alive = torch.arange(batch_size, device=device)
-    out_tokens: list[list[int]] = [[] for _ in range(batch_size)]
-    out_lp = [0.0] * batch_size
-    for step in range(max_len):
-        lp = decoder.step(tokens).float()
-        _constrain(lp, step, eos_id=eos_id, bos_id=bos_id, pad_id=pad_id, min_len=min_len, max_len=max_len)
-        probs = torch.softmax(lp / temperature, dim=-1)
-        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        drawn_lp = lp.gather(1, drawn[:, None]).squeeze(1)
-        for b, tok, tok_lp in zip(alive.tolist(), drawn.tolist(), drawn_lp.tolist()):
-            out_lp[b] += tok_lp
-            if tok != eos_id:
-                out_tokens[b].append(tok)
-        tokens = torch.cat([tokens, drawn[:, None]], dim=1)
-        done = drawn == eos_id
-        if done.any():
-            keep = (~done).nonzero(as_tuple=True)[0]
-            if keep.numel() == 0:
-                break
-            decoder.reorder(keep)
-            tokens, alive = tokens[keep], alive[keep]
-    return [Hypothesis(t, lp / max(len(t) + 1, 1), lp) for t, lp in zip(out_tokens, out_lp)]
+
+    def draw(lp: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(torch.softmax(lp / temperature, dim=-1), 1, generator=generator).squeeze(1)
+
+    return _token_by_token(decoder, batch_size, draw, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len=max_len,
+                           min_len=min_len, no_repeat_ngram_size=0, device=device)

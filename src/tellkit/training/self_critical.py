@@ -46,9 +46,17 @@ class SelfCritical:
         self._n = 0
 
     def score(self, token_lists: Sequence[list[int]], references: Sequence[Sequence[str]]) -> list[float]:
+        """CIDEr-D of each caption against its references (``references``: one list per caption;
+        a list shared by several captions is normalised once)."""
         lc = self.cfg.lowercase
-        return [self.reward.score(prepare(self.decode(t), lc), [prepare(r, lc) for r in refs])
-                for t, refs in zip(token_lists, references)]
+        prepared: dict[int, list[str]] = {}
+        scores = []
+        for t, refs in zip(token_lists, references):
+            ready = prepared.get(id(refs))
+            if ready is None:
+                ready = prepared[id(refs)] = [prepare(r, lc) for r in refs]
+            scores.append(self.reward.score(prepare(self.decode(t), lc), ready))
+        return scores
 
     def batch(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
         if not hasattr(model, "sample"):
@@ -89,17 +97,8 @@ class SelfCritical:
         cap = torch.full((len(token_lists), T), self.pad_id, dtype=torch.long)
         for i, t in enumerate(token_lists):
             cap[i, : len(t) + 2] = torch.tensor([self.bos_id, *t, self.eos_id], dtype=torch.long)
-        B = caption.size(0)
-        out: dict[str, Any] = {}
-        for k, v in batch.items():
-            if k == "caption":
-                continue
-            if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == B:
-                out[k] = v.repeat_interleave(K, dim=0)
-            elif k in _PER_IMAGE_LISTS and isinstance(v, (list, tuple)):
-                out[k] = [x for x in v for _ in range(K)]
-            else:
-                out[k] = v
+        out = _per_row(batch, caption.size(0), lambda k, v: v.repeat_interleave(K, dim=0),
+                       lambda k, v: [x for x in v for _ in range(K)])
         out["caption"] = cap.to(device)
         out["sequence_weights"] = weights.to(device)
         return out
@@ -108,21 +107,13 @@ class SelfCritical:
         """``drawn`` with the batch's own captions appended as rows of weight ``weight``: their
         cross-entropy joins the loss (one token mean over all rows)."""
         ref = batch["caption"]
-        cap = drawn["caption"]
+        cap, w = drawn["caption"], drawn["sequence_weights"]
         T = max(cap.size(1), ref.size(1))
         pad = lambda x: torch.nn.functional.pad(x, (0, T - x.size(1)), value=self.pad_id)  # noqa: E731
-        out: dict[str, Any] = {}
-        for k, v in drawn.items():
-            if k == "caption":
-                out[k] = torch.cat([pad(cap), pad(ref)])
-            elif k == "sequence_weights":
-                out[k] = torch.cat([v, torch.full((ref.size(0),), float(weight), dtype=v.dtype, device=v.device)])
-            elif torch.is_tensor(v) and v.dim() > 0 and v.size(0) == cap.size(0):
-                out[k] = torch.cat([v, batch[k]])
-            elif k in _PER_IMAGE_LISTS and isinstance(v, (list, tuple)):
-                out[k] = [*v, *batch[k]]
-            else:
-                out[k] = v
+        out = _per_row(drawn, cap.size(0), lambda k, v: torch.cat([v, batch[k]]), lambda k, v: [*v, *batch[k]])
+        out["caption"] = torch.cat([pad(cap), pad(ref)])
+        out["sequence_weights"] = torch.cat([w, torch.full((ref.size(0),), float(weight), dtype=w.dtype,
+                                                          device=w.device)])
         return out
 
     def take_stats(self) -> dict[str, float]:
@@ -136,3 +127,20 @@ class SelfCritical:
         self._sum = {"reward": 0.0, "baseline": 0.0}
         self._n = 0
         return stats
+
+
+def _per_row(batch: dict[str, Any], rows: int, tensor_op, list_op) -> dict[str, Any]:
+    """``batch`` with ``tensor_op(key, value)`` applied to its tensors of ``rows`` rows and
+    ``list_op(key, value)`` to its per-image lists; captions and their weights are left out
+    (the caller writes them), anything else is kept as it is."""
+    out: dict[str, Any] = {}
+    for k, v in batch.items():
+        if k in ("caption", "sequence_weights"):
+            continue
+        if torch.is_tensor(v) and v.dim() > 0 and v.size(0) == rows:
+            out[k] = tensor_op(k, v)
+        elif k in _PER_IMAGE_LISTS and isinstance(v, (list, tuple)):
+            out[k] = list_op(k, v)
+        else:
+            out[k] = v
+    return out

@@ -251,6 +251,21 @@ def test_training_throughput_bench_runs_on_inkml(shared_data, monkeypatch):
     assert paired["pairs"] >= 1 and paired["min_speedup"] <= paired["median_speedup"] <= paired["max_speedup"]
 
 
+@pytest.mark.data
+def test_gpu_training_step_bench_runs_its_variants(shared_data, monkeypatch):
+    # the GPU suite's timing code, run on the CPU: every variant trains on all the expressions
+    from tellkit.bench.bttr_train import bench_train_cuda
+
+    monkeypatch.setenv("TELLKIT_SHARED_DATA", str(shared_data))
+    res = bench_train_cuda(recipe="bttr/tiny", n_expressions=6, device="cpu")
+    assert res["device"] == "cpu" and res["split"] == "2014" and res["render_images_per_s_one_worker"] > 0
+    assert set(res["variants"]) == {"bs8_cap320k_fp32", "bs8_cap320k_bf16", "bs32_cap1280k_bf16",
+                                    "bs32_cap1280k_bf16_channels_last"}
+    for v in res["variants"].values():
+        assert v["images"] == 6 and v["seconds_per_step"] > 0
+    assert res["variants"]["bs32_cap1280k_bf16"]["micro_steps"] <= res["variants"]["bs8_cap320k_fp32"]["micro_steps"]
+
+
 def test_training_throughput_bench_needs_the_data(monkeypatch):
     from tellkit.bench.bttr_train import bench_train
     from tellkit.errors import TellkitError

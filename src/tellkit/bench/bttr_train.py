@@ -53,12 +53,15 @@ def _data_root() -> Path:
 
 
 def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
-             fast_dropout: bool = False) -> dict[str, float]:
+             fast_dropout: bool = False, device: str = "cpu", amp: str | None = None) -> dict[str, float]:
     """One warm-up step on the first batch (not timed), then one timed pass over ALL batches, so
-    every variant trains on exactly the same images."""
+    every variant trains on exactly the same images. ``amp``: "bf16" runs the forward pass under
+    bfloat16 autocast (CUDA)."""
+    import contextlib
+
     import torch  # heavy
 
-    model = model_fn()
+    model = model_fn().to(device)
     for m in model.modules():
         if isinstance(m, FastDropout):
             m.fast = fast_dropout
@@ -67,23 +70,38 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
     model.train()
     opt = torch.optim.AdamW(model.parameters(), 2e-4)
 
-    def step(idx):
-        b = collate([samples[j] for j in idx])
-        out = model({**b, "image": b["image"].contiguous(memory_format=fmt)})
+    cuda = device.startswith("cuda")
+
+    def autocast():
+        if amp == "bf16":
+            return torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def step(b):
+        b = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
+        with autocast():
+            out = model({**b, "image": b["image"].contiguous(memory_format=fmt)})
         out["loss"].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return b
 
+    # batches are collated before the clock starts on CUDA (the loader's workers do that in
+    # training, beside the GPU); on the CPU collation is part of the step, as it was measured before
+    pre = {i: collate([samples[j] for j in idx]) for i, idx in enumerate(batches)} if cuda else None
     for _ in range(warmup):
-        step(batches[0])
+        step(pre[0] if cuda else collate([samples[j] for j in batches[0]]))
     n_img = real = padded = 0
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for idx in batches:
-        b = step(idx)
+    for i, idx in enumerate(batches):
+        b = pre[i] if cuda else collate([samples[j] for j in idx])
+        step(b)
         n_img += len(idx)
         real += int(b["image_mask"].sum())
         padded += b["image_mask"].numel()
+    if cuda:
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     return {"images_per_s": n_img / dt, "steps_per_s": len(batches) / dt, "images": n_img,
             "micro_steps": len(batches), "real_megapixels_per_s": real / dt / 1e6,
@@ -175,8 +193,66 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
     }
 
 
+def bench_train_cuda(recipe: str = "bttr/crohme_cpu", n_expressions: int = 512, seed: int = 0,
+                     device: str = "cuda", split: str = "2014") -> dict[str, Any]:
+    """The training step on a GPU: the reference's batching (8, 320k-pixel cap) in float32 and
+    in bfloat16, and batches of 32 under a 1.28M-pixel cap in bfloat16 (channels-first and
+    -last). Batches are collated before the clock starts, so the figures are the GPU's step
+    alone; ``render_images_per_s_one_worker`` says how fast one loader worker renders the
+    InkML (without augmentation), i.e. how many workers keep the GPU fed. The expressions come
+    from ``split`` (2014 test by default: a tenth of the files of train to read, and the images
+    only feed a timing)."""
+    import torch  # heavy
+
+    r = load_yaml(recipe)
+    data = section({"data": {**r.get("data", {}), "cache": None}}, "data", RecognitionData)
+    root = _data_root()
+    exprs = load_split(root, split, "inkml")
+    exprs = random.Random(seed).sample(exprs, min(n_expressions, len(exprs)))
+    render = make_renderer(data, root)
+    vocab = Vocab()
+    t0 = time.perf_counter()
+    samples = [{"id": e.id, "image": render(e), "tokens": e.tokens,
+                "labels": [vocab.stoi.get(t, -1) for t in e.tokens]} for e in exprs]
+    render_rate = len(samples) / (time.perf_counter() - t0)
+    sizes = [tuple(s["image"].shape[-2:]) for s in samples]
+    cap = int(data.max_batch_pixels)
+
+    def batches(bs: int, cap: int):
+        return size_batches(sizes, bs, cap, shuffle=True, seed=seed, sort="shape")
+
+    def model_fn():
+        torch.manual_seed(seed)
+        return create_model(r)
+
+    runs = {
+        "bs8_cap320k_fp32": (8, cap, False, None),
+        "bs8_cap320k_bf16": (8, cap, False, "bf16"),
+        "bs32_cap1280k_bf16": (32, 4 * cap, False, "bf16"),
+        "bs32_cap1280k_bf16_channels_last": (32, 4 * cap, True, "bf16"),
+    }
+    results = {}
+    for name, (bs, c, cl, amp) in runs.items():
+        v = _variant(model_fn, samples, batches(bs, c), cl, 3, device=device, amp=amp)
+        v["seconds_per_step"] = v["seconds"] / v["micro_steps"]
+        results[name] = v
+    return {
+        "model": "bttr",
+        "recipe": recipe,
+        "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else device,
+        "render": render_config(data).__dict__,
+        "split": split,
+        "expressions": len(samples),
+        "mean_pixels": sum(h * w for h, w in sizes) / len(sizes),
+        "render_images_per_s_one_worker": render_rate,
+        "variants": results,
+    }
+
+
 def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
-    """``tellkit bench bttr_train``."""
+    """``tellkit bench bttr_train``: the CPU variants, or the GPU's step with ``--device cuda``."""
+    if device.startswith("cuda"):
+        return bench_train_cuda(n_expressions=128 if quick else 512, device=device)
     if device != "cpu":
-        raise TellkitError("bench bttr_train measures CPU training only")
+        raise TellkitError(f"bench bttr_train: unknown device {device!r} (cpu or cuda)")
     return bench_train(n_expressions=24 if quick else 96)

@@ -266,3 +266,52 @@ def test_xe_weight_adds_the_reference_captions_cross_entropy():
         return out["loss"] * out["ntokens"]
     expect = summed(drawn) + 0.5 * m(batch)["loss"] * m(batch)["ntokens"]
     torch.testing.assert_close(summed(mixed), expect, atol=1e-4, rtol=1e-5)
+
+
+# --- Show, Attend and Tell draws and weights the same way ---------------------------------------
+def tiny_sat(**kw):
+    torch.manual_seed(0)
+    return tellkit.create_model("show_attend_tell", vocab_size=99, image_dim=16, embed_dim=16, hidden_dim=14,
+                                attention_dim=10, dropout=0.0, doubly_stochastic=0.0, adaptive_cutoffs=[20, 50],
+                                **kw)
+
+
+def _sat_caption_log_prob(m, batch, b, toks):
+    """log p(toks + EOS | image b) from the model's teacher-forced loss."""
+    one = {"caption": torch.tensor([[BOS, *toks, EOS]]), "image": batch["image"][b:b + 1],
+           "image_mask": batch["image_mask"][b:b + 1]}
+    out = m(one)
+    return -(out["loss"] * out["ntokens"]).item()
+
+
+def test_show_attend_tell_draws_captions_with_their_log_probability():
+    m = tiny_sat().eval()
+    batch = image_batch()
+    out = m.sample(batch, num_samples=3, max_len=6, generator=torch.Generator().manual_seed(1))
+    assert len(out["tokens"]) == 6 and all(len(t) <= 5 for t in out["tokens"])
+    assert len({tuple(t) for t in out["tokens"]}) > 1  # drawn, not searched
+    for row, (toks, lp) in enumerate(zip(out["tokens"], out["log_probs"])):
+        assert lp == pytest.approx(_sat_caption_log_prob(m, batch, row // 3, toks), abs=1e-4)
+    again = m.sample(batch, num_samples=3, max_len=6, generator=torch.Generator().manual_seed(1))
+    assert again["tokens"] == out["tokens"]
+    with pytest.raises(TellkitError, match="soft attention"):
+        tiny_sat(attention="hard").sample(batch)
+
+
+def test_show_attend_tell_weights_each_caption():
+    m = tiny_sat().eval()
+    batch = image_batch(B=3)
+    torch.testing.assert_close(m({**batch, "sequence_weights": torch.ones(3)})["loss"], m(batch)["loss"])
+    w = torch.tensor([0.5, -2.0, 0.0])
+    per = torch.tensor([_sat_caption_log_prob(m, batch, b, batch["caption"][b, 1:-1].tolist()) for b in range(3)])
+    expect = -(w * per).sum() / batch["caption"][:, 1:].numel()
+    torch.testing.assert_close(m({**batch, "sequence_weights": w})["loss"], expect, atol=1e-5, rtol=1e-5)
+    with pytest.raises(TellkitError, match="sequence_weights"):
+        m({**batch, "sequence_weights": torch.ones(2)})
+    # one self-critical batch trains it: drawn captions, weights, a finite loss with gradients
+    critic, refs = _critic("greedy")
+    m.train()
+    out = critic.batch(m, {**image_batch(B=2), "references": refs})
+    loss = m(out)["loss"]
+    loss.backward()
+    assert torch.isfinite(loss) and m.embed.weight.grad is not None

@@ -13,6 +13,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tellkit.errors import TellkitError
+
 
 def token_loss(target_lp: torch.Tensor, ntokens: torch.Tensor | int,
                extra: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -23,6 +25,17 @@ def token_loss(target_lp: torch.Tensor, ntokens: torch.Tensor | int,
     nll = -target_lp.sum()
     loss = (nll + (extra if extra is not None else 0.0)) / n
     return {"loss": loss, "ntokens": ntokens, "nll_bits": (nll / n).detach() / math.log(2)}
+
+
+def weight_sequences(target_lp: torch.Tensor, weights: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+    """``target_lp`` [N] (the real tokens of ``mask`` [B, T], in its order) times the weight of
+    each token's sequence, ``weights`` [B] (self-critical training: a drawn caption's reward
+    advantage); unchanged when ``weights`` is None."""
+    if weights is None:
+        return target_lp
+    if weights.shape != mask.shape[:1]:
+        raise TellkitError(f"sequence_weights must be [{mask.size(0)}], got {tuple(weights.shape)}")
+    return target_lp * weights.to(target_lp.dtype)[:, None].expand_as(mask)[mask]
 
 
 def logits_loss(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> dict[str, torch.Tensor]:

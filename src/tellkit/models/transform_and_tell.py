@@ -42,7 +42,7 @@ from tellkit.layers.attention import MultiheadAttention, ProjectedKV
 from tellkit.layers.dynamic_conv import DynamicConvLayer
 from tellkit.layers.layer_mix import LayerMix
 from tellkit.layers.linear import GehringLinear
-from tellkit.layers.loss import token_loss
+from tellkit.layers.loss import token_loss, weight_sequences
 from tellkit.layers.positional import SinusoidalPositions
 from tellkit.registry import register_model
 
@@ -324,12 +324,7 @@ class TransformAndTell(nn.Module, PretrainedMixin):
             copy_p = (w * hit).sum(-1)[mask]
             g = gate[mask]
             lp = torch.logaddexp(torch.log(g) + lp, torch.log1p(-g) + torch.log(copy_p))
-        weights = batch.get("sequence_weights")
-        if weights is not None:
-            if weights.shape != cap.shape[:1]:
-                raise TellkitError(f"sequence_weights must be [{cap.size(0)}], got {tuple(weights.shape)}")
-            lp = lp * weights.to(lp.dtype)[:, None].expand_as(target)[mask]
-        return token_loss(lp, mask.sum())
+        return token_loss(weight_sequences(lp, batch.get("sequence_weights"), mask), mask.sum())
 
     @torch.no_grad()
     def log_probs(self, batch: dict[str, Any]) -> torch.Tensor:

@@ -43,14 +43,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
+from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveInput
-from tellkit.layers.loss import token_loss
+from tellkit.layers.loss import token_loss, weight_sequences
 from tellkit.models.baselines.common import (
     VocabOutput,
     attention_lists,
     context_set,
     masked_mean,
     masked_softmax,
+    sample,
     search,
     shift,
 )
@@ -204,7 +206,8 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         if self.config.doubly_stochastic > 0 and self.config.attention == "soft":
             total = (alpha.float() * mask[..., None]).sum(1)  # [B, N]: attention each location received
             reg = self.config.doubly_stochastic * (((1.0 - total) ** 2) * valid).sum()
-        target_lp = self.out.target_log_probs(deep[mask], target[mask])
+        target_lp = weight_sequences(self.out.target_log_probs(deep[mask], target[mask]),
+                                     batch.get("sequence_weights"), mask)
         if hard:
             per_token = torch.zeros(mask.shape, dtype=target_lp.dtype, device=target_lp.device)
             per_token[mask] = target_lp
@@ -218,6 +221,19 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
     def _search_step(self, last: torch.Tensor, s: dict):
         deep, _, s = self.step(last, s)
         return self.out.log_probs(deep), s
+
+    def sample(self, batch: dict[str, Any], num_samples: int = 1, max_len: int | None = None, min_len: int = 1,
+               temperature: float = 1.0, generator: torch.Generator | None = None) -> dict[str, Any]:
+        """``num_samples`` captions drawn from the model for each image (self-critical
+        training; soft attention only: hard attention's drawn locations have no search state)."""
+        cfg = self.config
+        if cfg.attention != "soft":
+            raise TellkitError("Show, Attend and Tell draws captions with soft attention only "
+                               f"(model.attention is '{cfg.attention}')")
+        s = self.encode(batch)
+        return sample(self._search_step, s, s["a"].size(0), num_samples, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
+                      pad_id=cfg.pad_id, max_len=max_len or cfg.max_len, min_len=min_len,
+                      temperature=temperature, generator=generator, device=s["a"].device)
 
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], max_len: int | None = None, beam_size: int = 1,

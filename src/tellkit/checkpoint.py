@@ -153,12 +153,52 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
     if extra:
         meta.update(extra)
     state = _unique_state(model)
-    if dtype is not None:
+    if dtype == torch.int8:
+        state = quantize_int8(state)
+        meta["weights_dtype"] = "int8"
+    elif dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
         meta["weights_dtype"] = str(dtype).replace("torch.", "")
     atomic_write_bytes(d / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
     atomic_write_json(d / CONFIG_NAME, meta)
     return d
+
+
+INT8_SCALE = ".int8_row_scale"  # suffix of the float32 row scales of an int8 weight matrix
+INT8_MIN_ELEMENTS = 4096  # smaller floating-point tensors (biases, norms) are stored in float16
+
+
+def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weight matrices (floating point, 2+ dimensions, at least INT8_MIN_ELEMENTS) as int8 with
+    one float32 scale per row (symmetric: row / (max |row| / 127), rounded), stored under
+    ``name + INT8_SCALE``; other floating-point tensors in float16, the rest unchanged. A quarter
+    of float32's size for the matrices; :func:`dequantize_int8` restores float32."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if v.is_floating_point() and v.dim() >= 2 and v.numel() >= INT8_MIN_ELEMENTS:
+            rows = v.detach().float().reshape(v.size(0), -1)
+            scale = rows.abs().amax(1).clamp(min=1e-30) / 127.0
+            out[k] = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8).reshape(v.shape)
+            out[k + INT8_SCALE] = scale.contiguous()
+        elif v.is_floating_point():
+            out[k] = v.to(torch.float16)
+        else:
+            out[k] = v
+    return out
+
+
+def dequantize_int8(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """The float32 matrices of an int8 checkpoint (``weights_dtype: int8``); a scale without its
+    int8 matrix, or of the wrong size, is a damaged file."""
+    out = dict(state)
+    for key in [k for k in state if k.endswith(INT8_SCALE)]:
+        name = key[: -len(INT8_SCALE)]
+        q, scale = out.pop(name, None), out.pop(key)
+        if q is None or q.dtype != torch.int8 or q.dim() < 2 or not scale.is_floating_point() \
+                or tuple(scale.shape) != (q.size(0),):
+            raise TellkitError(f"{where}: the int8 weights of {name} do not match their row scales (a damaged checkpoint)")
+        out[name] = q.float() * scale.float().reshape(-1, *([1] * (q.dim() - 1)))
+    return out
 
 
 def _first_line(exc: BaseException) -> str:
@@ -388,6 +428,8 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
         state = load_file(str(d / WEIGHTS_NAME), device="cpu")
     except (SafetensorError, OSError, ValueError) as exc:
         raise TellkitError(f"{d / WEIGHTS_NAME}: corrupt or unreadable weights ({_first_line(exc)})") from exc
+    if meta.get("weights_dtype") == "int8":
+        state = dequantize_int8(state, str(d))
     check_state_dict(model, state, str(d))
     model.load_state_dict(state, strict=False)
     model.to(device)

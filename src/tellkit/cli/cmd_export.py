@@ -19,7 +19,11 @@ def add_arguments(p) -> None:
 def add_output_arguments(p) -> None:
     """--out, --float32, --note and --replace (shared with tellkit average)."""
     p.add_argument("--out", required=True, help="the new checkpoint folder (must not exist or be empty)")
-    p.add_argument("--float32", action="store_true", help="keep float32 weights (twice the size)")
+    dtype = p.add_mutually_exclusive_group()
+    dtype.add_argument("--float32", action="store_true", help="keep float32 weights (twice the size)")
+    dtype.add_argument("--int8", action="store_true",
+                       help="weight matrices as int8 with one float32 scale per row (about half of float16; "
+                       "loading restores float32; check the model's scores after)")
     p.add_argument("--note", action="append", default=[], metavar="KEY=VALUE",
                    help="provenance stored under 'note' in config.json, repeatable (e.g. trained_on=crohme)")
     p.add_argument("--replace", action="store_true",
@@ -45,14 +49,18 @@ def run(args) -> int:
     src = resolve_checkpoint(args.src)
     out = Path(args.out)
     kept = write_checkpoint_folder(
-        out, lambda d: export_checkpoint(src, d, half=not args.float32, note=notes or None),
+        out, lambda d: export_checkpoint(src, d, half=not args.float32, int8=args.int8, note=notes or None),
         replace=args.replace, sources=[src])
-    report(out, src, args.float32, kept)
+    report(out, src, weights_name(args), kept)
     return 0
 
 
-def report(out, made_from, float32: bool, kept: list[str]) -> None:
+def weights_name(args) -> str:
+    return "float32" if args.float32 else "int8" if args.int8 else "float16"
+
+
+def report(out, made_from, weights: str, kept: list[str]) -> None:
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    print(f"wrote {out} ({size / 1e6:.1f} MB, {'float32' if float32 else 'float16'} weights) from {made_from}")
+    print(f"wrote {out} ({size / 1e6:.1f} MB, {weights} weights) from {made_from}")
     if kept:
         print(f"kept from the replaced folder: {', '.join(kept)} (they may describe the old model)")

@@ -31,17 +31,17 @@ MACHINE_LOCAL = {("data", "root"): None, ("data", "features"): None, ("train", "
                  ("train", "num_workers"): TrainConfig.num_workers}
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True,
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True, int8: bool = False,
                       note: dict[str, Any] | None = None) -> Path:
 
     model = load_model(checkpoint)
     carried = {key: _read_tensors(path) for key, path in
                carried_encoder_files(model.checkpoint_meta, model.checkpoint_dir).items()}
-    return _write_inference(model, model.checkpoint_meta, out, half=half, note=note, carried=carried)
+    return _write_inference(model, model.checkpoint_meta, out, half=half, int8=int8, note=note, carried=carried)
 
 
 def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, half: bool = True,
-                        note: dict[str, Any] | None = None) -> Path:
+                        int8: bool = False, note: dict[str, Any] | None = None) -> Path:
     """The mean of the weights of ``checkpoints`` (two or more, of the same family and model
     config) as an inference checkpoint whose recipe sections are the first one's. Floating-point
     tensors (BatchNorm running statistics included) are averaged in float32; integer buffers
@@ -82,7 +82,8 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, h
             v.copy_((total[k] / n).to(v.dtype) if v.is_floating_point() else total[k])
     sources = [source_name(Path(c)) for c in checkpoints]
     means = {key: _mean_tensors([_read_tensors(c[key]) for c in carried], key) for key in carried[0]}
-    return _write_inference(first, meta, out, half=half, note=note, averaged_from=sources, carried=means)
+    return _write_inference(first, meta, out, half=half, int8=int8, note=note, averaged_from=sources,
+                            carried=means)
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -110,19 +111,19 @@ def source_name(path: Path) -> str:
     return f"{parent.name}/{path.name}"
 
 
-def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool,
+def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool, int8: bool = False,
                      note: dict[str, Any] | None, averaged_from: list[str] | None = None,
                      carried: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """``carried``: {encoders key: tensors} of encoder weights the source checkpoint carries
     (a converted ResNet, the BatchNorm statistics of a reference-mode run): written beside the
     model under their usual names and named by their bare file names, as the source did."""
-    if half:
+    if half and not int8:
         model = model.half()
     extra = {k: v for k, v in meta.items() if k not in RESERVED_CHECKPOINT_KEYS}
     for (section, key), value in MACHINE_LOCAL.items():
         if isinstance(extra.get(section), dict) and key in extra[section]:
             extra[section] = {**extra[section], key: value}
-    extra["weights_dtype"] = "float16" if half else "float32"
+    extra["weights_dtype"] = "int8" if int8 else "float16" if half else "float32"
     extra.pop("averaged_from", None)
     if averaged_from:
         extra["averaged_from"] = averaged_from
@@ -133,7 +134,7 @@ def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool
         name = Path(str(meta["encoders"][key])).name
         extra["encoders"] = {**extra["encoders"], key: name}
         files[name] = tensors
-    d = model.save_pretrained(out, extra=extra)
+    d = model.save_pretrained(out, extra=extra, dtype=torch.int8 if int8 else None)
     if files:
         write_tensor_files(Path(d), files)
     return d

@@ -26,7 +26,8 @@ def caption_batch(B=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     cap = torch.randint(3, 300, (B, 7), generator=g)
     cap[:, 0], cap[:, -1] = 0, 2
-    return {"caption": cap, "image": torch.randn(B, 6, 64, generator=g), "image_mask": torch.ones(B, 6, dtype=torch.bool)}
+    return {"caption": cap, "image": torch.randn(B, 6, 64, generator=g),
+            "image_mask": torch.ones(B, 6, dtype=torch.bool)}
 
 
 def test_rows_are_rounded_within_half_a_step_of_their_own_scale():

@@ -196,7 +196,8 @@ def dequantize_int8(state: dict[str, torch.Tensor], where: str) -> dict[str, tor
         q, scale = out.pop(name, None), out.pop(key)
         if q is None or q.dtype != torch.int8 or q.dim() < 2 or not scale.is_floating_point() \
                 or tuple(scale.shape) != (q.size(0),):
-            raise TellkitError(f"{where}: the int8 weights of {name} do not match their row scales (a damaged checkpoint)")
+            raise TellkitError(f"{where}: the int8 weights of {name} do not match their row scales "
+                               "(a damaged checkpoint)")
         out[name] = q.float() * scale.float().reshape(-1, *([1] * (q.dim() - 1)))
     return out
 

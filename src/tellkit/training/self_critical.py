@@ -61,7 +61,8 @@ class SelfCritical:
     def batch(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
         if not hasattr(model, "sample"):
             raise TellkitError(f"scst: the '{getattr(model, 'family', type(model).__name__)}' model cannot draw "
-                               "captions (no sample()); self-critical training needs Transform and Tell or Show, Attend and Tell")
+                               "captions (no sample()); self-critical training needs Transform and Tell or "
+                               "Show, Attend and Tell")
         cfg, K = self.cfg, int(self.cfg.samples)
         refs = batch["references"]
         B = len(refs)

@@ -26,6 +26,7 @@ rendered with the recipe's renderer (``configs/bttr/crohme_cpu.yaml`` by default
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import statistics
@@ -57,8 +58,6 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
     """One warm-up step on the first batch (not timed), then one timed pass over ALL batches, so
     every variant trains on exactly the same images. ``amp``: "bf16" runs the forward pass under
     bfloat16 autocast (CUDA)."""
-    import contextlib
-
     import torch  # heavy
 
     model = model_fn().to(device)

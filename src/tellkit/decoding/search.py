@@ -186,3 +186,13 @@ def sample_search(decoder: IncrementalDecoder, batch_size: int, *, bos_id: int, 
 
     return _token_by_token(decoder, batch_size, draw, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len=max_len,
                            min_len=min_len, no_repeat_ngram_size=0, device=device)
+
+
+def run_sample(make_decoder, batch_size: int, num_samples: int, *, device: torch.device | str = "cpu",
+               **kw) -> dict[str, list]:
+    """``num_samples`` sequences drawn per input (rows of input b consecutive) with
+    :func:`sample_search`; ``make_decoder(rows)`` builds the decoder over the inputs ``rows``.
+    Returns ``tokens`` (no BOS/EOS) and ``log_probs`` (their summed log-probabilities)."""
+    rows = torch.arange(batch_size, device=device).repeat_interleave(num_samples)
+    hyps = sample_search(make_decoder(rows), batch_size * num_samples, device=device, **kw)
+    return {"tokens": [h.tokens for h in hyps], "log_probs": [h.log_prob for h in hyps]}

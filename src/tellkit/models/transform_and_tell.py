@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.decoding.search import run_search, sample_search
+from tellkit.decoding.search import run_sample, run_search
 from tellkit.decoding.state import RowContext, reorder_state
 from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
@@ -366,11 +366,9 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         B = next(iter(ctx.feats.values()))[0].size(0)
         device = next(iter(ctx.feats.values()))[0].device
         ctx = self.project_contexts(ctx)
-        rows = torch.arange(B, device=device).repeat_interleave(num_samples)
-        hyps = sample_search(_Incremental(self, ctx.index_select(rows), rows), B * num_samples, bos_id=cfg.bos_id,
-                             eos_id=cfg.eos_id, pad_id=cfg.pad_id, max_len=max_len or cfg.max_len, min_len=min_len,
-                             temperature=temperature, generator=generator, device=device)
-        return {"tokens": [h.tokens for h in hyps], "log_probs": [h.log_prob for h in hyps]}
+        return run_sample(lambda rows: _Incremental(self, ctx.index_select(rows), rows), B, num_samples,
+                          bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id, max_len=max_len or cfg.max_len,
+                          min_len=min_len, temperature=temperature, generator=generator, device=device)
 
     def _attention_for(self, ctx: Contexts, token_lists: list[list[int]]) -> list[list[dict[str, list[float]]]]:
         """Re-run the chosen captions teacher-forced to read the attention each token was

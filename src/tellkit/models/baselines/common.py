@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tellkit.data.batch import read_context
-from tellkit.decoding.search import run_search, sample_search
+from tellkit.decoding.search import run_sample, run_search
 from tellkit.decoding.state import reorder_state
 from tellkit.errors import TellkitError
 from tellkit.layers.adaptive import AdaptiveSoftmax
@@ -101,11 +101,9 @@ def sample(step_fn: Callable, state: dict[str, Any], batch_size: int, num_sample
     """``num_samples`` captions drawn per input (rows of input b consecutive) over a
     :class:`RowState`: ``tokens`` (no BOS/EOS) and ``log_probs`` (their summed log-probabilities),
     as ``TransformAndTell.sample``."""
-    rows = torch.arange(batch_size, device=device).repeat_interleave(num_samples)
-    hyps = sample_search(RowState(step_fn, reorder_state(state, rows)), batch_size * num_samples, bos_id=bos_id,
-                         eos_id=eos_id, pad_id=pad_id, max_len=max_len, min_len=min_len, temperature=temperature,
-                         generator=generator, device=device)
-    return {"tokens": [h.tokens for h in hyps], "log_probs": [h.log_prob for h in hyps]}
+    return run_sample(lambda rows: RowState(step_fn, reorder_state(state, rows)), batch_size, num_samples,
+                      bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, max_len=max_len, min_len=min_len,
+                      temperature=temperature, generator=generator, device=device)
 
 
 def attention_lists(alphas: dict[str, torch.Tensor], valid: dict[str, torch.Tensor], b: int,

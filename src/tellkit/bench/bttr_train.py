@@ -53,6 +53,23 @@ def _data_root() -> Path:
     return root
 
 
+def _rendered(recipe: str, split: str, n_expressions: int, seed: int):
+    """The recipe, its data section, a seeded sample of ``split`` rendered as training items,
+    their sizes, and the render rate (items/s of one process, no augmentation)."""
+    r = load_yaml(recipe)
+    data = section({"data": {**r.get("data", {}), "cache": None}}, "data", RecognitionData)
+    root = _data_root()
+    exprs = load_split(root, split, "inkml")
+    exprs = random.Random(seed).sample(exprs, min(n_expressions, len(exprs)))
+    render = make_renderer(data, root)
+    vocab = Vocab()
+    t0 = time.perf_counter()
+    samples = [{"id": e.id, "image": render(e), "tokens": e.tokens,
+                "labels": [vocab.stoi.get(t, -1) for t in e.tokens]} for e in exprs]
+    rate = len(samples) / (time.perf_counter() - t0)
+    return r, data, samples, [tuple(x["image"].shape[-2:]) for x in samples], rate
+
+
 def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
              fast_dropout: bool = False, device: str = "cpu", amp: str | None = None) -> dict[str, float]:
     """One warm-up step on the first batch (not timed), then one timed pass over ALL batches, so
@@ -146,16 +163,7 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
 
     if threads:
         torch.set_num_threads(threads)
-    r = load_yaml(recipe)
-    data = section({"data": {**r.get("data", {}), "cache": None}}, "data", RecognitionData)
-    root = _data_root()
-    exprs = load_split(root, "train", "inkml")
-    exprs = random.Random(seed).sample(exprs, min(n_expressions, len(exprs)))
-    render = make_renderer(data, root)
-    vocab = Vocab()
-    samples = [{"id": e.id, "image": render(e), "tokens": e.tokens,
-                "labels": [vocab.stoi.get(t, -1) for t in e.tokens]} for e in exprs]
-    sizes = [tuple(s["image"].shape[-2:]) for s in samples]
+    r, data, samples, sizes, _ = _rendered(recipe, "train", n_expressions, seed)
     bs = int(r.get("train", {}).get("batch_size", 8))
     cap = int(data.max_batch_pixels)
 
@@ -203,18 +211,7 @@ def bench_train_cuda(recipe: str = "bttr/crohme_cpu", n_expressions: int = 512, 
     only feed a timing)."""
     import torch  # heavy
 
-    r = load_yaml(recipe)
-    data = section({"data": {**r.get("data", {}), "cache": None}}, "data", RecognitionData)
-    root = _data_root()
-    exprs = load_split(root, split, "inkml")
-    exprs = random.Random(seed).sample(exprs, min(n_expressions, len(exprs)))
-    render = make_renderer(data, root)
-    vocab = Vocab()
-    t0 = time.perf_counter()
-    samples = [{"id": e.id, "image": render(e), "tokens": e.tokens,
-                "labels": [vocab.stoi.get(t, -1) for t in e.tokens]} for e in exprs]
-    render_rate = len(samples) / (time.perf_counter() - t0)
-    sizes = [tuple(s["image"].shape[-2:]) for s in samples]
+    r, data, samples, sizes, render_rate = _rendered(recipe, split, n_expressions, seed)
     cap = int(data.max_batch_pixels)
 
     def batches(bs: int, cap: int):

@@ -57,7 +57,7 @@ def run(args) -> int:
     found = sources(args.src, args.last)
     out = Path(args.out)
     kept = write_checkpoint_folder(
-        out, lambda d: average_checkpoints(found, d, half=not args.float32, int8=args.int8, note=notes or None),
+        out, lambda d: average_checkpoints(found, d, weights=weights_name(args), note=notes or None),
         replace=args.replace, sources=found)
     names = ", ".join(source_name(p) for p in found)
     report(out, f"the mean of {len(found)} checkpoints: {names}", weights_name(args), kept)

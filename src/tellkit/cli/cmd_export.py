@@ -49,7 +49,7 @@ def run(args) -> int:
     src = resolve_checkpoint(args.src)
     out = Path(args.out)
     kept = write_checkpoint_folder(
-        out, lambda d: export_checkpoint(src, d, half=not args.float32, int8=args.int8, note=notes or None),
+        out, lambda d: export_checkpoint(src, d, weights=weights_name(args), note=notes or None),
         replace=args.replace, sources=[src])
     report(out, src, weights_name(args), kept)
     return 0

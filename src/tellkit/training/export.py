@@ -27,21 +27,25 @@ from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
 
 # settings of the training machine, not of the model: (section, key) -> the exported value
+# how an inference checkpoint stores its weights: float16 halves float32's size; int8 stores weight
+# matrices with one float32 scale per row (see tellkit.checkpoint.quantize_int8), the rest float16
+WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
+
 MACHINE_LOCAL = {("data", "root"): None, ("data", "features"): None, ("train", "init_from"): None,
                  ("train", "num_workers"): TrainConfig.num_workers}
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, half: bool = True, int8: bool = False,
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, weights: str = "float16",
                       note: dict[str, Any] | None = None) -> Path:
 
     model = load_model(checkpoint)
     carried = {key: _read_tensors(path) for key, path in
                carried_encoder_files(model.checkpoint_meta, model.checkpoint_dir).items()}
-    return _write_inference(model, model.checkpoint_meta, out, half=half, int8=int8, note=note, carried=carried)
+    return _write_inference(model, model.checkpoint_meta, out, weights=weights, note=note, carried=carried)
 
 
-def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, half: bool = True,
-                        int8: bool = False, note: dict[str, Any] | None = None) -> Path:
+def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, weights: str = "float16",
+                        note: dict[str, Any] | None = None) -> Path:
     """The mean of the weights of ``checkpoints`` (two or more, of the same family and model
     config) as an inference checkpoint whose recipe sections are the first one's. Floating-point
     tensors (BatchNorm running statistics included) are averaged in float32; integer buffers
@@ -82,7 +86,7 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, h
             v.copy_((total[k] / n).to(v.dtype) if v.is_floating_point() else total[k])
     sources = [source_name(Path(c)) for c in checkpoints]
     means = {key: _mean_tensors([_read_tensors(c[key]) for c in carried], key) for key in carried[0]}
-    return _write_inference(first, meta, out, half=half, int8=int8, note=note, averaged_from=sources,
+    return _write_inference(first, meta, out, weights=weights, note=note, averaged_from=sources,
                             carried=means)
 
 
@@ -111,19 +115,18 @@ def source_name(path: Path) -> str:
     return f"{parent.name}/{path.name}"
 
 
-def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool, int8: bool = False,
+def _write_inference(model, meta: dict[str, Any], out: str | Path, *, weights: str,
                      note: dict[str, Any] | None, averaged_from: list[str] | None = None,
                      carried: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """``carried``: {encoders key: tensors} of encoder weights the source checkpoint carries
     (a converted ResNet, the BatchNorm statistics of a reference-mode run): written beside the
     model under their usual names and named by their bare file names, as the source did."""
-    if half and not int8:
-        model = model.half()
+    if weights not in WEIGHT_DTYPES:
+        raise TellkitError(f"weights {weights!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
     extra = {k: v for k, v in meta.items() if k not in RESERVED_CHECKPOINT_KEYS}
     for (section, key), value in MACHINE_LOCAL.items():
         if isinstance(extra.get(section), dict) and key in extra[section]:
             extra[section] = {**extra[section], key: value}
-    extra["weights_dtype"] = "int8" if int8 else "float16" if half else "float32"
     extra.pop("averaged_from", None)
     if averaged_from:
         extra["averaged_from"] = averaged_from
@@ -134,7 +137,7 @@ def _write_inference(model, meta: dict[str, Any], out: str | Path, *, half: bool
         name = Path(str(meta["encoders"][key])).name
         extra["encoders"] = {**extra["encoders"], key: name}
         files[name] = tensors
-    d = model.save_pretrained(out, extra=extra, dtype=torch.int8 if int8 else None)
+    d = model.save_pretrained(out, extra=extra, dtype=WEIGHT_DTYPES[weights])
     if files:
         write_tensor_files(Path(d), files)
     return d

@@ -126,8 +126,24 @@ def test_resume_after_crash_gives_identical_weights(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     # the CSV log was cut back to the resumed step, so no step appears twice
-    steps = [int(x["step"]) for x in csv.DictReader(open(tmp_path / "broken" / "train_log.csv"))]
-    assert steps == list(range(1, 13))
+    rows = list(csv.DictReader(open(tmp_path / "broken" / "train_log.csv")))
+    assert [int(x["step"]) for x in rows] == list(range(1, 13))
+    # the clock goes on from the saved state: elapsed never falls back, and the summary counts both processes
+    elapsed = [float(x["elapsed_s"]) for x in rows]
+    assert elapsed == sorted(elapsed) and elapsed[8] >= state["seconds"] > 0
+    assert summary["elapsed_s"] >= elapsed[-1]
+
+
+def test_logged_train_seconds_adds_up_processes_that_restarted_the_clock(tmp_path):
+    from tellkit.workflows import logged_train_seconds
+
+    log = tmp_path / "train_log.csv"
+    log.write_text("step,epoch,loss,elapsed_s\n100,0,1.0,50\n200,0,1.0,100\n300,1,0.9,20\n400,1,0.8,70\n"
+                   "500,1,0.8,110\n", encoding="utf-8")  # a resume from a state saved without a clock
+    assert logged_train_seconds(log) == 100 + 110
+    log.write_text("step,epoch,loss,elapsed_s\n100,0,1.0,50\n200,0,1.0,100\n300,1,0.9,130\n", encoding="utf-8")
+    assert logged_train_seconds(log) == 130
+    assert logged_train_seconds(tmp_path / "missing.csv") == 0.0
 
 
 def test_resume_with_other_batches_says_so(tmp_path, capsys):

@@ -214,6 +214,30 @@ def _table_recipe(cfg_path: Path, opts: TableOptions) -> tuple[dict[str, Any], s
     return recipe, label, published
 
 
+def logged_train_seconds(train_log: Path) -> float:
+    """Wall seconds of training in a run's ``train_log.csv``, over every process that trained it:
+    ``elapsed_s`` goes on across resumes, except from states saved without a clock (older runs),
+    where it starts again at zero; each such restart adds the previous process's last value."""
+    total = last = 0.0
+    try:
+        lines = train_log.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return 0.0
+    head = lines[0].split(",") if lines else []
+    if "elapsed_s" not in head:
+        return 0.0
+    col = head.index("elapsed_s")
+    for line in lines[1:]:
+        try:
+            value = float(line.split(",")[col])
+        except (IndexError, ValueError):
+            continue
+        if value < last:
+            total += last
+        last = value
+    return total + last
+
+
 def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], None] = lambda msg: None) -> dict:
     """Train the recipe at ``path`` into ``OUT/<name>/`` and score its best checkpoint on the
     split. Finished rows are read back (``table_row.json``); an interrupted row resumes from its
@@ -233,12 +257,11 @@ def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], 
         resume = False
     log(f"{label}: {'resuming' if resume else 'training'} {cfg_path} -> {run_dir}")
     task = _row_task(recipe)
-    t0 = time.time()
     summary = train(recipe, run_dir, task, resume=resume, device=opts.device,
                     save_every_minutes=opts.save_every_minutes, progress=opts.progress)
     if summary["stopped"] == "signal":
         raise KeyboardInterrupt
-    t_train = time.time() - t0
+    t_train = max(summary["elapsed_s"], logged_train_seconds(run_dir / "train_log.csv"))
     ckpt = summary["best_checkpoint"] or summary["last_checkpoint"]
     log(f"{label}: {summary['steps']} steps in {t_train:.0f}s; scoring {ckpt} on {opts.split}")
     t0 = time.time()

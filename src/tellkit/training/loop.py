@@ -256,6 +256,7 @@ class TrainerState:
     plan: str | None = None  # batch_plan_digest of the current epoch's batches
     window_loss: float = 0.0  # loss x tokens summed since the last log row (restored on resume,
     window_tokens: float = 0.0  # so the first row after a resume equals the unbroken run's)
+    seconds: float = 0.0  # wall seconds of training up to this state, over all resumed processes
 
 
 def train(
@@ -307,6 +308,7 @@ class Trainer:
         self.save_every_steps, self.save_every_minutes = save_every_steps, save_every_minutes
         self.ckpts = CheckpointManager(run_dir, keep=keep_checkpoints)
         self.state = TrainerState(world=dist.world)
+        self.t0, self.seconds_before = time.time(), 0.0
         self.resolved = json.loads(json.dumps({**dict(recipe), "train": to_dict(cfg)}))  # plain YAML/JSON types
         self.saved: SavedState | None = None
         self.tb = self.train_csv = self.eval_csv = None
@@ -457,6 +459,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         st, cfg = self.state, self.cfg
         self.t0 = self.last_save = self.window_start = time.time()
+        self.seconds_before = st.seconds  # a resumed run's clock goes on from its saved state
         stop = None
         with _StopSignal() as stop_signal:
             while stop is None:
@@ -486,7 +489,7 @@ class Trainer:
             "best": st.best, "best_step": st.best_step, "run_dir": str(self.run_dir),
             "last_checkpoint": str(last_dir) if last_dir else None,
             "best_checkpoint": str(best_dir) if best_dir else None,
-            "elapsed_s": time.time() - self.t0,
+            "elapsed_s": self.elapsed(),
         }
         self.log(f"stopped ({stop}) after {st.step} steps; best {self.task.monitor} {st.best} at step {st.best_step}")
         return summary
@@ -589,7 +592,7 @@ class Trainer:
             dt = max(1e-9, time.time() - self.window_start)
             row = {"step": st.step, "epoch": st.epoch, "loss": st.window_loss / max(1.0, st.window_tokens), "lr": lr,
                    "grad_norm": float(gnorm), "tokens": int(st.window_tokens), "tokens_per_s": st.window_tokens / dt,
-                   "elapsed_s": time.time() - self.t0}
+                   "elapsed_s": self.elapsed()}
             self.train_csv.write(row)
             extra = self.task.training_stats()
             if self.tb:
@@ -635,8 +638,13 @@ class Trainer:
         self.save(best=better)
         return self.cfg.patience is not None and st.bad_evals >= self.cfg.patience
 
+    def elapsed(self) -> float:
+        """Wall seconds of training so far, those of the processes this run resumed from included."""
+        return self.seconds_before + time.time() - self.t0
+
     def save(self, best: bool = False) -> Path:
         """A complete state (model, optimizer, RNGs, trainer state) as the new ``last``."""
+        self.state.seconds = self.elapsed()
         trainer_state = {**asdict(self.state), "schedule": self.schedule.state_dict(),
                          "scaler": self.scaler.state_dict() if self.scaler else None}
         files = self.task.checkpoint_files() if self.dist.is_main else None

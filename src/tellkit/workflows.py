@@ -250,7 +250,11 @@ def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], 
     eval_file, summary_file = run_dir / "eval" / f"metrics_{opts.split}.json", run_dir / "table_row.json"
     if eval_file.is_file() and summary_file.is_file() and not opts.rerun:
         log(f"{label}: results exist in {run_dir} (--rerun to redo)")
-        return {**json.loads(summary_file.read_text(encoding="utf-8")), "published": published}
+        row = json.loads(summary_file.read_text(encoding="utf-8"))
+        # rows written before training time was counted over resumes hold the last process's only
+        row["train_seconds"] = round(max(row.get("train_seconds") or 0.0,
+                                         logged_train_seconds(run_dir / "train_log.csv")), 1)
+        return {**row, "published": published}
     resume = (run_dir / "checkpoints").exists()
     if resume and opts.rerun:
         shutil.rmtree(run_dir)

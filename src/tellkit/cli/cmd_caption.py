@@ -62,8 +62,8 @@ def resolve_default(checkpoint: str | None):
         return checkpoint
     default = packaged_default("caption")
     if default is None:
-        raise TellkitError("no default captioning model is installed; pass --checkpoint DIR "
-                           "(train one: tellkit train configs/tat/flickr8k_small.yaml data.root=DIR)")
+        raise TellkitError("no default captioning model is installed; pass --checkpoint DIR (train one: tellkit "
+                           "train configs/baselines/flickr8k_papers/show_attend_tell_banded.yaml data.root=DIR)")
     return str(default)
 
 

@@ -50,15 +50,15 @@ def sources(src: list[str], last: int | None) -> list:
 
 
 def run(args) -> int:
-    from tellkit.cli.cmd_export import notes_from, report, weights_name  # heavy
+    from tellkit.cli.cmd_export import notes_from, report  # heavy
     from tellkit.training.export import average_checkpoints, source_name, write_checkpoint_folder  # heavy
 
     notes = notes_from(args.note)
     found = sources(args.src, args.last)
     out = Path(args.out)
     kept = write_checkpoint_folder(
-        out, lambda d: average_checkpoints(found, d, weights=weights_name(args), note=notes or None),
+        out, lambda d: average_checkpoints(found, d, weights=args.weights, note=notes or None),
         replace=args.replace, sources=found)
     names = ", ".join(source_name(p) for p in found)
-    report(out, f"the mean of {len(found)} checkpoints: {names}", weights_name(args), kept)
+    report(out, f"the mean of {len(found)} checkpoints: {names}", args.weights, kept)
     return 0

@@ -17,11 +17,13 @@ def add_arguments(p) -> None:
 
 
 def add_output_arguments(p) -> None:
-    """--out, --float32, --note and --replace (shared with tellkit average)."""
+    """--out, --float32 / --int8 (args.weights), --note and --replace (shared with tellkit average)."""
     p.add_argument("--out", required=True, help="the new checkpoint folder (must not exist or be empty)")
-    dtype = p.add_mutually_exclusive_group()
-    dtype.add_argument("--float32", action="store_true", help="keep float32 weights (twice the size)")
-    dtype.add_argument("--int8", action="store_true",
+    dtype = p.add_mutually_exclusive_group()  # one stored weights type, float16 unless one of these
+    p.set_defaults(weights="float16")
+    dtype.add_argument("--float32", dest="weights", action="store_const", const="float32",
+                       help="keep float32 weights (twice the size)")
+    dtype.add_argument("--int8", dest="weights", action="store_const", const="int8",
                        help="weight matrices as int8 with one float32 scale per row (about half of float16; "
                        "loading restores float32; check the model's scores after)")
     p.add_argument("--note", action="append", default=[], metavar="KEY=VALUE",
@@ -49,14 +51,10 @@ def run(args) -> int:
     src = resolve_checkpoint(args.src)
     out = Path(args.out)
     kept = write_checkpoint_folder(
-        out, lambda d: export_checkpoint(src, d, weights=weights_name(args), note=notes or None),
+        out, lambda d: export_checkpoint(src, d, weights=args.weights, note=notes or None),
         replace=args.replace, sources=[src])
-    report(out, src, weights_name(args), kept)
+    report(out, src, args.weights, kept)
     return 0
-
-
-def weights_name(args) -> str:
-    return "float32" if args.float32 else "int8" if args.int8 else "float16"
 
 
 def report(out, made_from, weights: str, kept: list[str]) -> None:

@@ -135,7 +135,7 @@ def test_resume_after_crash_gives_identical_weights(tmp_path):
 
 
 def test_logged_train_seconds_adds_up_processes_that_restarted_the_clock(tmp_path):
-    from tellkit.workflows import logged_train_seconds
+    from tellkit.training.loop import logged_train_seconds
 
     log = tmp_path / "train_log.csv"
     log.write_text("step,epoch,loss,elapsed_s\n100,0,1.0,50\n200,0,1.0,100\n300,1,0.9,20\n400,1,0.8,70\n"

@@ -35,7 +35,7 @@ from tellkit.registry import model_contexts
 from tellkit.tasks import make_task
 from tellkit.training import distributed
 from tellkit.training.evaluation import run_eval, write_eval_outputs
-from tellkit.training.loop import train
+from tellkit.training.loop import logged_train_seconds, train
 from tellkit.training.task import Task
 
 
@@ -214,28 +214,10 @@ def _table_recipe(cfg_path: Path, opts: TableOptions) -> tuple[dict[str, Any], s
     return recipe, label, published
 
 
-def logged_train_seconds(train_log: Path) -> float:
-    """Wall seconds of training in a run's ``train_log.csv``, over every process that trained it:
-    ``elapsed_s`` goes on across resumes, except from states saved without a clock (older runs),
-    where it starts again at zero; each such restart adds the previous process's last value."""
-    total = last = 0.0
-    try:
-        lines = train_log.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return 0.0
-    head = lines[0].split(",") if lines else []
-    if "elapsed_s" not in head:
-        return 0.0
-    col = head.index("elapsed_s")
-    for line in lines[1:]:
-        try:
-            value = float(line.split(",")[col])
-        except (IndexError, ValueError):
-            continue
-        if value < last:
-            total += last
-        last = value
-    return total + last
+def _train_seconds(run_dir: Path, known: float | None) -> float:
+    """A row's training time: what the run reported, or the sum over its sittings from its log when
+    that is more (rows of runs saved before the trainer's clock went on across resumes)."""
+    return round(max(known or 0.0, logged_train_seconds(run_dir / "train_log.csv")), 1)
 
 
 def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], None] = lambda msg: None) -> dict:
@@ -251,9 +233,7 @@ def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], 
     if eval_file.is_file() and summary_file.is_file() and not opts.rerun:
         log(f"{label}: results exist in {run_dir} (--rerun to redo)")
         row = json.loads(summary_file.read_text(encoding="utf-8"))
-        # rows written before training time was counted over resumes hold the last process's only
-        row["train_seconds"] = round(max(row.get("train_seconds") or 0.0,
-                                         logged_train_seconds(run_dir / "train_log.csv")), 1)
+        row["train_seconds"] = _train_seconds(run_dir, row.get("train_seconds"))
         return {**row, "published": published}
     resume = (run_dir / "checkpoints").exists()
     if resume and opts.rerun:
@@ -265,7 +245,7 @@ def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], 
                     save_every_minutes=opts.save_every_minutes, progress=opts.progress)
     if summary["stopped"] == "signal":
         raise KeyboardInterrupt
-    t_train = max(summary["elapsed_s"], logged_train_seconds(run_dir / "train_log.csv"))
+    t_train = _train_seconds(run_dir, summary["elapsed_s"])
     ckpt = summary["best_checkpoint"] or summary["last_checkpoint"]
     log(f"{label}: {summary['steps']} steps in {t_train:.0f}s; scoring {ckpt} on {opts.split}")
     t0 = time.time()
@@ -278,7 +258,7 @@ def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], 
     row = {
         "row": label, "config": str(path), "task": recipe["task"], "family": recipe["model"]["name"],
         "encoder": section(recipe, "encoders").get("image"), "params": result.parameters,
-        "steps": summary["steps"], "train_seconds": round(t_train, 1),
+        "steps": summary["steps"], "train_seconds": t_train,
         "eval_seconds": round(time.time() - t0, 1), "split": opts.split, "n": len(preds),
         "best_val": summary["best"], "monitor": summary["monitor"], "metrics": result.metrics,
         "example": {"prediction": preds[0].get("prediction"),

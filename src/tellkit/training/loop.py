@@ -176,6 +176,27 @@ def _writing(run_dir: Path):
         raise TellkitError(f"cannot write the run folder {run_dir} ({where}: {exc.strerror or exc})") from None
 
 
+def logged_train_seconds(train_log: Path) -> float:
+    """Wall seconds of training in a run's ``train_log.csv`` over every process that trained it:
+    ``elapsed_s`` goes on across resumes (:attr:`TrainerState.seconds`), except after states saved
+    without that clock (older runs), where it starts again at zero; each such restart adds the
+    previous process's last value. 0.0 for a missing or column-less log."""
+    total = last = 0.0
+    try:
+        with open(train_log, newline="", encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                try:
+                    value = float(row.get("elapsed_s") or "")
+                except ValueError:
+                    continue
+                if value < last:
+                    total += last
+                last = value
+    except (OSError, csv.Error):
+        return 0.0
+    return total + last
+
+
 class _CsvLog:
     """Append-only CSV; on resume, rows after the resumed step are dropped (they are redone)."""
 

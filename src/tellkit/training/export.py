@@ -26,11 +26,11 @@ from tellkit.encoders.weights import read_state_dict
 from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
 
-# settings of the training machine, not of the model: (section, key) -> the exported value
 # how an inference checkpoint stores its weights: float16 halves float32's size; int8 stores weight
 # matrices with one float32 scale per row (see tellkit.checkpoint.quantize_int8), the rest float16
 WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
+# settings of the training machine, not of the model: (section, key) -> the exported value
 MACHINE_LOCAL = {("data", "root"): None, ("data", "features"): None, ("train", "init_from"): None,
                  ("train", "num_workers"): TrainConfig.num_workers}
 

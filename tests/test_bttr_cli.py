@@ -144,3 +144,33 @@ def test_recognize_reads_the_packaged_inkml_sample(capsys):
 
     assert main(["recognize", str(SAMPLE_INKML)]) == 0
     assert capsys.readouterr().out.strip() == SAMPLE_LATEX
+
+
+def test_recognize_reads_at_another_stroke_size(tmp_path, capsys):
+    """--stroke-size replaces the checkpoint's reading size for InkML and bitmaps alike; bad values
+    and models trained on bitmaps get a one-line error."""
+    from tellkit.models.bttr import BTTR, BTTRConfig
+    from tellkit.pipelines.recognition import SAMPLE_INKML, SAMPLE_LATEX, Recognizer
+
+    stored = Recognizer.load()
+    assert stored.data.render["stroke_size"] == 22
+    small = Recognizer.load(stroke_size=11)
+    for item in (SAMPLE_INKML, SAMPLE_PATH):
+        h, w = stored.prepare(item).shape[-2:]
+        h2, w2 = small.prepare(item).shape[-2:]
+        # half the stroke size: about half the ink (the margin and the pen do not scale)
+        assert 1.4 < w / w2 < 2.4 and 1.4 < h / h2 < 2.4, (item, (h, w), (h2, w2))
+    assert main(["recognize", str(SAMPLE_INKML), "--stroke-size", "16"]) == 0
+    assert capsys.readouterr().out.strip() == SAMPLE_LATEX
+    for bad in ("0", "-3", "nan", "inf", "big"):
+        with pytest.raises(SystemExit) as exit_:  # argparse's usage error
+            main(["recognize", str(SAMPLE_INKML), "--stroke-size", bad])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "argument --stroke-size" in err and "Traceback" not in err, err
+
+    m = BTTR(BTTRConfig(growth_rate=4, block_depth=1, stem_channels=8, d_model=16, nhead=2,
+                        num_decoder_layers=1, dim_feedforward=32))
+    m.save_pretrained(tmp_path / "ck", extra={"data": {"layout": "tsv", "scale": 0.25}})
+    assert main(["recognize", str(SAMPLE_PATH), "--model", str(tmp_path / "ck"), "--stroke-size", "20"]) == 2
+    err = capsys.readouterr().err
+    assert "bitmaps" in err and "Traceback" not in err

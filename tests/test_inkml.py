@@ -16,6 +16,7 @@ from tellkit.data.inkml import (
     render_strokes,
     scan_folder,
 )
+from tellkit.errors import TellkitError
 
 NS = "http://www.w3.org/2003/InkML"
 
@@ -353,3 +354,13 @@ def test_evaluate_on_bitmaps_prepares_them_as_recognize_does(tmp_path):
     assert torch.equal(ds.image(0), rec.prepare(png))
     plain = CrohmeDataset([Expression("big", png, ["x"])], bitmap=bitmap_kwargs(data_section({"layout": "tsv"})))
     assert plain.image(0).shape != ds.image(0).shape
+
+
+@pytest.mark.parametrize("bad", [{"stroke_size": 0}, {"stroke_size": -16}, {"stroke_size": float("nan")},
+                                 {"line_width": 0}, {"supersample": 0}, {"margin": -1}, {"max_pixels": -5},
+                                 {"stroke_size": True}, {"stroke_size": "16"}])
+def test_render_settings_out_of_range_are_refused(bad):
+    # a zero size drew an empty 11 x 11 image, a negative one failed inside PIL
+    (name, value), = bad.items()
+    with pytest.raises(TellkitError, match=f"data.render.{name}"):
+        RenderConfig(**bad)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from tellkit.cli import positive_int
+from tellkit.cli import positive_float, positive_int
 from tellkit.errors import TellkitError
 
 NAME = "recognize"
@@ -19,6 +19,9 @@ def add_arguments(p) -> None:
                    help="beam size per direction (default: the checkpoint's, 10)")
     p.add_argument("--max-len", type=int, default=None, help="maximum output tokens (default 200)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="images per search batch (default 8)")
+    p.add_argument("--stroke-size", type=positive_float, default=None, metavar="PX",
+                   help="read at this median stroke size in pixels (default: the checkpoint's "
+                        "data.render.stroke_size; the packaged model's is 22)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
@@ -29,7 +32,7 @@ def run(args) -> int:
         raise TellkitError("--beam-size must be >= 1")
     if args.max_len is not None and args.max_len < 1:
         raise TellkitError("--max-len must be >= 1")
-    rec = Recognizer.load(args.model, device=args.device)
+    rec = Recognizer.load(args.model, device=args.device, stroke_size=args.stroke_size)
     results = rec.recognize(args.images, batch_size=max(1, args.batch_size), beam_size=args.beam_size,
                             max_len=args.max_len)
     for path, r in zip(args.images, results):

@@ -255,6 +255,16 @@ class RenderConfig:
     max_pixels: int = 320_000  # larger expressions are scaled down to fit (0: no cap)
     max_side: int = 0  # optional cap on the longer side (0: none)
 
+    def __post_init__(self):
+        # a bad size would draw an empty or unreadable image, or fail deep inside PIL
+        for name, least, strict in (("stroke_size", 0, True), ("line_width", 0, True), ("margin", 0, False),
+                                    ("supersample", 1, False), ("max_pixels", 0, False), ("max_side", 0, False)):
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if not ok or v < least or (strict and v == least):
+                need = f"> {least}" if strict else f">= {least}"
+                raise TellkitError(f"data.render.{name} must be a finite number {need}, got {v!r}")
+
     def key(self) -> str:
         """Identifies the renderer and its settings (for render caches)."""
         blob = json.dumps({"version": RENDERER_VERSION, **asdict(self)}, sort_keys=True)

@@ -56,14 +56,23 @@ class Recognizer:
         self.renderer = make_renderer(dataclasses.replace(self.data, cache=None))
 
     @classmethod
-    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu") -> Recognizer:
+    def load(cls, checkpoint: str | Path | None = None, device: str = "cpu",
+             stroke_size: float | None = None) -> Recognizer:
+        """``stroke_size``: read at this median stroke size in pixels instead of the stored
+        ``data.render.stroke_size`` (models trained on InkML renders only)."""
         default = PACKAGED_DEFAULTS["math"]
         if checkpoint is None and not default.is_dir():
             raise TellkitError(f"no default BTTR checkpoint at {default}; pass --model CHECKPOINT")
         path = resolve_checkpoint(checkpoint or default, follow_links=False)
         meta = read_checkpoint_config(path)
+        data = dict(meta.get("data") or {})
+        if stroke_size is not None:
+            if data.get("layout", RecognitionData.layout) != "inkml":
+                raise TellkitError(f"--stroke-size: {path} was trained on bitmaps, not on InkML renders; "
+                                   "it reads images at their own size")
+            data["render"] = {**(data.get("render") or {}), "stroke_size": stroke_size}
         model = load_model(path, map_location=device, expect=BTTR).float()
-        return cls(model, meta.get("data") or {}, meta.get("eval") or {}, path)
+        return cls(model, data, meta.get("eval") or {}, path)
 
     def prepare(self, item):
         """A path (bitmap or ``.inkml``), a PIL image, or :class:`Strokes` -> float [1, H, W]."""

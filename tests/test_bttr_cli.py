@@ -174,3 +174,16 @@ def test_recognize_reads_at_another_stroke_size(tmp_path, capsys):
     assert main(["recognize", str(SAMPLE_PATH), "--model", str(tmp_path / "ck"), "--stroke-size", "20"]) == 2
     err = capsys.readouterr().err
     assert "bitmaps" in err and "Traceback" not in err
+
+
+def test_evaluate_reads_bitmaps_with_a_model_trained_with_pen_stroke_augmentation(tmp_path, capsys):
+    """The packaged default's stored recipe augments in pen-stroke space (InkML only); evaluating it
+    on a bitmap test set must not trip over that training-only setting."""
+    from tellkit.recipes import PACKAGED_DEFAULTS
+
+    assert json.loads((PACKAGED_DEFAULTS["math"] / "config.json").read_text())["data"]["augment"]["substitute"] > 0
+    _dataset(tmp_path / "data")
+    assert main(["evaluate", str(PACKAGED_DEFAULTS["math"]), "--data", str(tmp_path / "data"), "data.layout=tsv",
+                 "data.bitmap_fit=true", "data.test=train", "data.limit={}", "eval.beam_size=2", "eval.max_len=8",
+                 "--device", "cpu", "--no-progress", "--out", str(tmp_path / "ev")]) == 0
+    assert json.loads(capsys.readouterr().out)["n"] == len(LABELS)

@@ -108,6 +108,10 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
     if overrides:
         extra = parse_overrides(list(overrides)) if not isinstance(overrides, Mapping) else overrides
         recipe = deep_merge(recipe, extra)
+    if (recipe.get("data") or {}).get("augment"):
+        # evaluation never augments: a stored recipe's training augmentation (pen-stroke keys, say)
+        # must not keep a model from reading other data (bitmaps with data.layout=tsv)
+        recipe["data"] = {**recipe["data"], "augment": {}}
     info = distributed.setup(device)
     try:
         task = make_task(recipe) if task is None else task

@@ -451,7 +451,7 @@ class SummaryEvalConfig(SummaryGeneration):
 
 # --- training ---------------------------------------------------------------------------------------
 OPTIMIZERS = ("adamw", "adam", "adadelta", "bert_adam")
-SCHEDULERS = ("linear_warmup", "step", "plateau", "constant")
+SCHEDULERS = ("linear_warmup", "cosine", "step", "plateau", "constant")
 
 
 @dataclass
@@ -470,8 +470,12 @@ class TrainConfig:
     weight_decay: float = 1e-5
     rho: float = 0.9  # adadelta only
     # learning-rate schedule
-    scheduler: str = "linear_warmup"  # linear_warmup | step | plateau | constant
-    warmup: float = 0.05  # fraction of the total optimizer steps (linear_warmup only)
+    scheduler: str = "linear_warmup"  # linear_warmup | cosine | step | plateau | constant
+    warmup: float = 0.05  # fraction of the total optimizer steps (of each cycle for cosine)
+    # cosine: a linear warm-up, then half a cosine from lr down to lr * min_lr_ratio, over the whole
+    # run or, with cycle_epochs, over cycles of that many epochs, each a warm restart (SGDR)
+    cycle_epochs: float | None = None
+    min_lr_ratio: float = 0.0
     step_every_epochs: int = 1  # step: multiply lr by step_gamma every this many epochs
     step_gamma: float = 0.1
     plateau_patience: int = 2  # plateau: evaluations without improvement before lr *= factor
@@ -492,7 +496,9 @@ class TrainConfig:
     # optimizer, schedule and data order start fresh. Ignored by --resume (the run's own state wins).
     init_from: str | None = None
     # runtime
-    amp: bool | str = True  # mixed precision on CUDA: true/"fp16" (with loss scaling), "bf16", false
+    # mixed precision: true/"fp16" (CUDA, with loss scaling; float32 on a CPU), "bf16" (CUDA, and
+    # CPUs with native bf16; float32 with a log line elsewhere), false
+    amp: bool | str = True
     seed: int = 1
     num_workers: int = 0
     log_every: int = 50  # optimizer steps between log lines / CSV rows
@@ -509,6 +515,10 @@ class TrainConfig:
         for name in ("batch_size", "accumulate", "max_epochs", "eval_every_epochs", "log_every", "step_every_epochs"):
             if int(getattr(self, name)) < 1:
                 raise TellkitError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cycle_epochs is not None and not (math.isfinite(float(self.cycle_epochs)) and self.cycle_epochs > 0):
+            raise TellkitError(f"train.cycle_epochs must be a positive number or null, got {self.cycle_epochs}")
+        if not 0.0 <= float(self.min_lr_ratio) <= 1.0:
+            raise TellkitError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("max_tokens", "max_steps", "samples_per_epoch"):
             v = getattr(self, name)
             if v is not None and int(v) < 1:
@@ -524,7 +534,8 @@ class TrainConfig:
 
     @property
     def amp_dtype(self) -> str | None:
-        """'float16', 'bfloat16' or None (mixed precision is only ever used on CUDA)."""
+        """'float16', 'bfloat16' or None: what the recipe asks for (``tellkit.utils.precision``
+        decides what a device grants)."""
         if self.amp is False:
             return None
         return "bfloat16" if self.amp == "bf16" else "float16"

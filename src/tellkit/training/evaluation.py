@@ -7,7 +7,6 @@ by ``Task.score`` on rank 0 (corpus-level metrics such as CIDEr are never averag
 """
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from tellkit.checkpoint import atomic_write_bytes, atomic_write_json
 from tellkit.errors import TellkitError
 from tellkit.training.distributed import DistInfo
 from tellkit.training.task import Task
+from tellkit.utils import precision
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -34,10 +34,9 @@ def to_device(obj: Any, device: torch.device) -> Any:
 
 
 def autocast(device: torch.device, amp_dtype: str | None):
-    """Mixed precision on CUDA only; a no-op context elsewhere."""
-    if device.type == "cuda" and amp_dtype:
-        return torch.autocast("cuda", dtype=getattr(torch, amp_dtype))
-    return contextlib.nullcontext()
+    """Mixed precision in ``amp_dtype`` where ``device`` has it (``tellkit.utils.precision``);
+    a no-op context elsewhere."""
+    return precision.resolve(device, amp_dtype).autocast()
 
 
 def plain_batches(task: Task, dataset: Dataset, split: str, batch_size: int, *, shuffle: bool, seed: int,

@@ -17,7 +17,9 @@ Explicit choices:
   continues bit-for-bit (on CPU; cuDNN / atomics may make GPU runs differ in the last bits).
 - Under DDP each process takes every ``world``-th batch; an epoch's trailing batches that cannot
   be shared out evenly (fewer than ``world``) are dropped so every process does the same steps.
-- Mixed precision only on CUDA (fp16 with a loss scaler, or bf16); CPU runs are fp32.
+- Mixed precision (``train.amp``): on CUDA fp16 with a loss scaler, or bf16; on a CPU bf16 where
+  it computes bf16 natively, else float32 with a log line (``tellkit.utils.precision``). Weights
+  and optimiser state stay float32.
 - Frozen encoders / cached features are the Task's business: only parameters with
   ``requires_grad`` reach the optimizer (see ``Task.param_groups``).
 """
@@ -53,6 +55,7 @@ from tellkit.training.bert_adam import BertAdam
 from tellkit.training.checkpointing import CheckpointManager, SavedState, apply_state, fits_run
 from tellkit.training.evaluation import autocast, make_loader, plain_batches, run_eval, to_device
 from tellkit.training.task import Task
+from tellkit.utils import precision
 
 TRAIN_COLUMNS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"]
 EVAL_COLUMNS = ["step", "epoch", "split", "metric", "value"]
@@ -76,10 +79,15 @@ def build_optimizer(cfg: TrainConfig, groups: list[dict[str, Any]]) -> torch.opt
 class LRSchedule:
     """lr of each param group = its base lr x ``factor``; the state is three numbers (JSON)."""
 
-    def __init__(self, cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, mode: str):
+    def __init__(self, cfg: TrainConfig, optimizer: torch.optim.Optimizer, total_steps: int, mode: str,
+                 steps_per_epoch: int = 1):
         self.cfg, self.opt, self.total, self.mode = cfg, optimizer, max(1, total_steps), mode
         self.base = [g["lr"] for g in optimizer.param_groups]
-        self.warm = int(round(cfg.warmup * self.total)) if cfg.scheduler == "linear_warmup" else 0
+        # the stretch the warm-up and decay span: the whole run, or one cosine cycle
+        self.cycle = self.total
+        if cfg.scheduler == "cosine" and cfg.cycle_epochs is not None:
+            self.cycle = max(1, int(round(cfg.cycle_epochs * steps_per_epoch)))
+        self.warm = int(round(cfg.warmup * self.cycle)) if cfg.scheduler in ("linear_warmup", "cosine") else 0
         self.plateau_scale, self.plateau_best, self.plateau_bad = 1.0, None, 0
 
     def factor(self, step: int, epoch: int) -> float:
@@ -89,6 +97,13 @@ class LRSchedule:
             if step < self.warm:
                 return (step + 1) / self.warm
             return max(0.0, (self.total - step) / max(1, self.total - self.warm))
+        if s == "cosine":
+            t = step % self.cycle
+            if t < self.warm:
+                return (t + 1) / self.warm
+            done = (t - self.warm) / max(1, self.cycle - self.warm)
+            floor = self.cfg.min_lr_ratio
+            return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * done))
         if s == "step":
             return self.cfg.step_gamma ** (epoch // self.cfg.step_every_epochs)
         if s == "plateau":
@@ -411,8 +426,11 @@ class Trainer:
             raise TellkitError(f"the training set gives fewer batches than processes ({dist.world})")
         self.steps_per_epoch = math.ceil(n_batches / dist.world / cfg.accumulate)
         self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.max_epochs
-        self.schedule = LRSchedule(cfg, self.optimizer, self.total_steps, task.monitor_mode)
-        self.amp_dtype = cfg.amp_dtype if dist.device.type == "cuda" else None
+        self.schedule = LRSchedule(cfg, self.optimizer, self.total_steps, task.monitor_mode, self.steps_per_epoch)
+        amp = precision.resolve(dist.device, cfg.amp_dtype)
+        if amp.note:
+            self.log(f"train.amp={cfg.amp}: {amp.note}")
+        self.amp_dtype = amp.dtype
         self.scaler = torch.amp.GradScaler("cuda") if self.amp_dtype == "float16" else None
         self.extra = {**{k: v for k, v in self.resolved.items() if k != "model"}, "task": task.name}
         self.log(

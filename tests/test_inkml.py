@@ -242,9 +242,18 @@ def test_training_throughput_bench_runs_on_inkml(shared_data, monkeypatch):
 
     monkeypatch.setenv("TELLKIT_SHARED_DATA", str(shared_data))
     res = bench_train(recipe="bttr/tiny", n_expressions=12, warmup=0)
-    assert set(res["variants"]) == {"reference", "area_sorted_channels_last", "shape_sorted",
-                                    "shape_sorted_channels_last", "shape_sorted_cap_640k",
-                                    "shape_sorted_channels_last_fast_dropout"}
+    from tellkit.utils.precision import cpu_has_bf16
+
+    names = {"reference", "area_sorted_channels_last", "shape_sorted", "shape_sorted_channels_last",
+             "shape_sorted_cap_640k", "shape_sorted_channels_last_fast_dropout"}
+    if cpu_has_bf16():
+        names.add("shape_sorted_channels_last_fast_dropout_bf16")
+        bf16 = res["bf16_paired"]
+        assert bf16["pairs"] >= 1 and bf16["min_speedup"] <= bf16["median_speedup"] <= bf16["max_speedup"]
+        assert bf16["seconds_bf16"] > 0 and bf16["seconds_fp32"] > 0
+    else:
+        assert res["bf16_paired"] is None and "bfloat16" in res["bf16_note"]
+    assert set(res["variants"]) == names
     for v in res["variants"].values():
         assert v["images_per_s"] > 0 and v["padding_waste"] >= 0 and v["images"] == 12  # all, every variant
     assert res["speedup_images_per_s"]["reference"] == 1.0

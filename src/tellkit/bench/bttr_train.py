@@ -14,12 +14,14 @@ size, fresh weights, same thread count):
 * ``shape_sorted_channels_last_fast_dropout``: shape-sorted, channels-last, and the DenseNet's
   dropout masks drawn by ``tellkit.layers.dropout`` (15-bit words from 64-bit draws) instead of
   one ``bernoulli_`` sample per element. Every other variant uses ``F.dropout``, as the reference.
+* ``shape_sorted_channels_last_fast_dropout_bf16``: the same under bfloat16 autocast (CPUs with
+  native bf16 only; weights and AdamW state float32).
 Each reports the padding waste (padded pixels / real pixels - 1) as well.
 
 Run-to-run noise on a shared CPU is about as large as some of these differences, so the dropout
-change is also measured as a paired comparison (``dropout_paired``): one model, the same
-shape-sorted batches, each batch timed with both kinds of dropout back to back (alternating which
-goes first); the figure is the median over batches of the per-batch time ratio.
+change and bfloat16 are also measured as paired comparisons (``dropout_paired``, ``bf16_paired``):
+one model, the same shape-sorted batches, each batch timed in both settings back to back
+(alternating which goes first); the figure is the median over batches of the per-batch time ratio.
 
 The expressions come from ``$TELLKIT_SHARED_DATA/crohme_inkml/train`` (a seeded sample),
 rendered with the recipe's renderer (``configs/bttr/crohme_cpu.yaml`` by default).
@@ -42,6 +44,7 @@ from tellkit.errors import TellkitError
 from tellkit.layers.dropout import FastDropout
 from tellkit.recipes import RecognitionData, section
 from tellkit.registry import create_model
+from tellkit.utils import precision
 
 
 def _data_root() -> Path:
@@ -74,7 +77,7 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
              fast_dropout: bool = False, device: str = "cpu", amp: str | None = None) -> dict[str, float]:
     """One warm-up step on the first batch (not timed), then one timed pass over ALL batches, so
     every variant trains on exactly the same images. ``amp``: "bf16" runs the forward pass under
-    bfloat16 autocast (CUDA)."""
+    bfloat16 autocast (CUDA, or a CPU with native bf16)."""
     import torch  # heavy
 
     model = model_fn().to(device)
@@ -89,9 +92,7 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
     cuda = device.startswith("cuda")
 
     def autocast():
-        if amp == "bf16":
-            return torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return precision.resolve(device, "bfloat16" if amp == "bf16" else None).autocast()
 
     def step(b):
         b = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
@@ -124,37 +125,52 @@ def _variant(model_fn, samples, batches, channels_last: bool, warmup: int,
             "padding_waste": padded / max(real, 1) - 1.0, "seconds": dt}
 
 
-def _dropout_paired(model_fn, samples, batches, rounds: int = 2) -> dict[str, Any]:
+def _paired(model_fn, samples, batches, configure, rounds: int = 1) -> dict[str, Any]:
+    """One model, the same batches, each timed in setting A and in setting B back to back
+    (alternating which goes first): the median over batches of time(B) / time(A) is the speed-up
+    of A over B, robust to a machine whose load changes. ``configure(a: bool)`` switches the
+    model to a setting and returns the context the step runs in."""
     import torch  # heavy
 
     model = model_fn()
     model.encoder.densenet.to(memory_format=torch.channels_last)
     model.train()
-    drops = [m for m in model.modules() if isinstance(m, FastDropout)]
 
-    def timed(b, fast: bool) -> float:
-        for m in drops:
-            m.fast = fast
-        t0 = time.perf_counter()
-        model({**b, "image": b["image"].contiguous(memory_format=torch.channels_last)})["loss"].backward()
-        dt = time.perf_counter() - t0
+    def timed(b, a: bool) -> float:
+        with configure(model, a):
+            t0 = time.perf_counter()
+            model({**b, "image": b["image"].contiguous(memory_format=torch.channels_last)})["loss"].backward()
+            dt = time.perf_counter() - t0
         model.zero_grad(set_to_none=True)
         return dt
 
-    timed(collate([samples[j] for j in batches[0]]), True)  # warm-up
-    ratios, plain, fast = [], 0.0, 0.0
+    timed(collate([samples[j] for j in batches[0]]), True)  # warm-up, both settings
+    timed(collate([samples[j] for j in batches[0]]), False)
+    ratios, seconds_a, seconds_b = [], 0.0, 0.0
     for r in range(rounds):
         for i, idx in enumerate(batches):
             b = collate([samples[j] for j in idx])
-            first = (i + r) % 2 == 0
-            t1 = timed(b, first)
-            t2 = timed(b, not first)
-            tf, tp = (t1, t2) if first else (t2, t1)
-            ratios.append(tp / tf)
-            plain, fast = plain + tp, fast + tf
+            a_first = (i + r) % 2 == 0
+            t1 = timed(b, a_first)
+            t2 = timed(b, not a_first)
+            ta, tb = (t1, t2) if a_first else (t2, t1)
+            ratios.append(tb / ta)
+            seconds_a, seconds_b = seconds_a + ta, seconds_b + tb
     return {"pairs": len(ratios), "median_speedup": statistics.median(ratios),
-            "min_speedup": min(ratios), "max_speedup": max(ratios),
-            "seconds_f_dropout": plain, "seconds_fast_dropout": fast}
+            "min_speedup": min(ratios), "max_speedup": max(ratios), "seconds_a": seconds_a, "seconds_b": seconds_b}
+
+
+def _dropout_setting(model, fast: bool):
+    for m in model.modules():
+        if isinstance(m, FastDropout):
+            m.fast = fast
+    return contextlib.nullcontext()
+
+
+def _bf16_setting(model, bf16: bool):
+    """A: bfloat16 autocast (where the CPU has it), B: float32; FastDropout on in both."""
+    _dropout_setting(model, True)
+    return precision.resolve("cpu", "bfloat16" if bf16 else None).autocast()
 
 
 def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup: int = 1,
@@ -183,7 +199,16 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
         "shape_sorted_channels_last_fast_dropout": _variant(model_fn, samples, batches("shape", cap), True, warmup,
                                                             fast_dropout=True),
     }
-    paired = _dropout_paired(model_fn, samples, batches("shape", cap)[:paired_batches], rounds=1)
+    shape = batches("shape", cap)
+    paired = _paired(model_fn, samples, shape[:paired_batches], _dropout_setting)
+    paired["seconds_f_dropout"], paired["seconds_fast_dropout"] = paired.pop("seconds_b"), paired.pop("seconds_a")
+    amp = precision.resolve("cpu", "bfloat16")
+    bf16 = None
+    if amp.dtype:
+        results["shape_sorted_channels_last_fast_dropout_bf16"] = _variant(
+            model_fn, samples, shape, True, warmup, fast_dropout=True, amp="bf16")
+        bf16 = _paired(model_fn, samples, shape[:paired_batches], _bf16_setting)
+        bf16["seconds_bf16"], bf16["seconds_fp32"] = bf16.pop("seconds_a"), bf16.pop("seconds_b")
     base = results["reference"]["images_per_s"]
     return {
         "model": "bttr",
@@ -197,6 +222,10 @@ def bench_train(recipe: str = "bttr/crohme_cpu", n_expressions: int = 96, warmup
         "variants": results,
         "speedup_images_per_s": {k: v["images_per_s"] / base for k, v in results.items()},
         "dropout_paired": paired,
+        # forward + backward under bfloat16 autocast against float32, batch by batch (None where
+        # the CPU has no native bfloat16: ``bf16_note`` says so)
+        "bf16_paired": bf16,
+        "bf16_note": amp.note,
     }
 
 

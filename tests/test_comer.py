@@ -266,8 +266,8 @@ class _RefLayer(nn.Module):
         self.linear1, self.linear2 = nn.Linear(d, ffn), nn.Linear(ffn, d)
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
 
-    def forward(self, x, memory, arm, causal, memory_pad):
-        x = self.norm1(x + self.self_attn(x, x, attn_mask=causal)[0])
+    def forward(self, x, memory, arm, causal, memory_pad, tgt_pad=None):
+        x = self.norm1(x + self.self_attn(x, x, attn_mask=causal, key_padding_mask=tgt_pad)[0])
         h, attn = self.multihead_attn(x, memory, arm=arm, key_padding_mask=memory_pad)
         x = self.norm2(x + h)
         return self.norm3(x + self.linear2(F.relu(self.linear1(x)))), attn
@@ -279,10 +279,10 @@ class _RefTransformer(nn.Module):
         self.layers = nn.ModuleList(_RefLayer(d, nhead, ffn) for _ in range(layers))
         self.arm = _RefARM(nhead, dc)
 
-    def forward(self, x, memory, height, causal, memory_pad):
+    def forward(self, x, memory, height, causal, memory_pad, tgt_pad=None):
         arm = None
         for i, layer in enumerate(self.layers):
-            x, attn = layer(x, memory, arm, causal, memory_pad)
+            x, attn = layer(x, memory, arm, causal, memory_pad, tgt_pad)
             if i != len(self.layers) - 1:
                 arm = (lambda a: lambda cur: self.arm(a, memory_pad, height, cur))(attn)
         return x
@@ -331,7 +331,7 @@ class _RefCoMER(nn.Module):
         x = self.decoder.word_embed(tgt) + self.decoder.pos_enc.pe[:n][None]
         x = self.decoder.norm(x).transpose(0, 1)
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
-        out = self.decoder.model(x, src, h, causal, pad)
+        out = self.decoder.model(x, src, h, causal, pad, tgt == 0)  # the reference's PAD_IDX is 0
         return self.decoder.proj(out.transpose(0, 1))
 
 
@@ -398,6 +398,47 @@ def test_convert_reference_checkpoint_gives_the_same_logits(comer_ckpt, tmp_path
     assert float(m.decoder.out.bias.detach()[vocab.stoi["'"]]) == -1e4  # a symbol CoMER never learned
     # the converted model searches like any other
     assert isinstance(m.generate(img, beam_size=2, max_len=4)["tokens"][0], list)
+
+
+def test_padded_targets_train_as_in_the_reference(comer_ckpt, tmp_path):
+    """Teacher forcing on targets of different lengths, the ARM's BatchNorm on batch statistics
+    (training mode, no dropout): every logit, padded rows included, equals the reference's,
+    which masks padded target positions out of the decoder's self-attention."""
+    from tellkit.convert import read_state_dict
+    from tellkit.convert.bttr import COMER_SYMBOLS, convert
+    from tellkit.data.latex import Vocab
+    from tellkit.registry import create_model
+
+    ref, path = comer_ckpt
+    config, state = convert(read_state_dict(path), nhead=4)
+    m = create_model({**config, "dropout": 0.0, "encoder_dropout": 0.0})
+    m.load_state_dict(state)
+    vocab = Vocab()
+    theirs = {s: 3 + i for i, s in enumerate(COMER_SYMBOLS)} | {"<pad>": 0, "<sos>": 1, "<eos>": 2}
+    rows = [["<sos>", "x", "^", "{", "2", "}", "+", "z"], ["<sos>", "\\alpha", "+", "<pad>", "<pad>", "<pad>",
+                                                         "<pad>", "<pad>"]]
+    assert vocab.stoi["<pad>"] == PAD
+    img = torch.rand(2, 1, 64, 96)
+    for model in (m, ref):
+        model.eval()
+    m.decoder.arm.train()
+    ref.decoder.model.arm.train()
+    with torch.no_grad():
+        want = ref(img, torch.tensor([[theirs[s] for s in r] for r in rows]))
+        mem, mask = m.encode(img, None)
+        tokens = torch.tensor([[vocab.stoi[s] for s in r] for r in rows])
+        got = m.decoder(tokens, mem, mask)
+        own = torch.tensor([vocab.stoi[s] for s in vocab.itos if s in theirs])
+        refs = torch.tensor([theirs[s] for s in vocab.itos if s in theirs])
+        assert torch.allclose(got[..., own], want[..., refs], atol=1e-4), (got[..., own] - want[..., refs]).abs().max()
+        # the mask is what makes them agree: without it padded rows attend to padded keys (and
+        # reach every row's logits, weakly, through the BatchNorm's batch statistics)
+        for layer in m.decoder.layers:
+            layer.forward = (lambda f: lambda *a, pad=None, **k: f(*a, **k))(layer.forward)
+        unmasked = m.decoder(tokens, mem, mask)
+    err = (got[..., own] - want[..., refs]).abs().max()
+    err_unmasked = (unmasked[..., own] - want[..., refs]).abs().max()
+    assert err_unmasked > max(1e-4, 20 * err), (err, err_unmasked)
 
 
 def test_convert_needs_the_coverage_kind_when_only_one_is_on(comer_ckpt, tmp_path):

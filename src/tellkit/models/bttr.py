@@ -293,13 +293,17 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
         self.drop = nn.Dropout(c.dropout)
 
-    def forward(self, x, kv: ProjectedKV, state: dict | None = None, ctx: dict | None = None):
+    def forward(self, x, kv: ProjectedKV, state: dict | None = None, ctx: dict | None = None,
+                pad: torch.Tensor | None = None):
         """x [N, L, d]; ``kv``: the memory projected by ``cross_attn.project_kv``.
         ``state``: incremental self-attention keys/values (a dict, initially empty); with it
         ``x`` holds only the newest position(s). ``ctx``: what a variant's cross-attention shares
-        between the layers of one decoder pass (see :meth:`cross_attention`)."""
+        between the layers of one decoder pass (see :meth:`cross_attention`). ``pad`` [N, L]
+        (full sequences only): True at padded target positions, which no position attends to
+        (the reference's ``tgt_key_padding_mask``; real positions never see them anyway, as
+        padding comes after the real tokens, but padded rows' outputs change)."""
         if state is None:  # full sequence, causal
-            h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device))
+            h, _ = self.self_attn(x, key_padding_mask=pad, attn_mask=causal_mask(x.shape[1], x.device))
         else:  # earlier keys/values come from the state
             start = state["k"].shape[2] if "k" in state else 0
             h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device, offset=start), cache=state)
@@ -310,6 +314,12 @@ class DecoderLayer(nn.Module):
     def cross_attention(self, x, kv: ProjectedKV, state: dict | None, ctx: dict | None) -> torch.Tensor:
         """Cross-attention output [N, L, d] (the hook CoMER's coverage overrides)."""
         return self.cross_attn.attend(x, kv)[0]
+
+
+def target_padding(tokens: torch.Tensor, states: list | None) -> torch.Tensor | None:
+    """[N, L] True at PAD tokens of a full (teacher-forced) sequence; None when decoding step by
+    step (``states``), where no token is padding."""
+    return None if states is not None else tokens == PAD
 
 
 class Decoder(nn.Module):
@@ -341,8 +351,9 @@ class Decoder(nn.Module):
         if kvs is None:
             kvs = self.project_memory(memory, memory_mask)
         x = self.embed_norm(self.embed(tokens)) + self.positions(tokens.shape[1], start, tokens.device)
+        pad = target_padding(tokens, states)
         for i, layer in enumerate(self.layers):
-            x = layer(x, kvs[i], None if states is None else states[i])
+            x = layer(x, kvs[i], None if states is None else states[i], pad=pad)
         return self.out(x)
 
 

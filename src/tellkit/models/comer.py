@@ -42,7 +42,15 @@ from torch import nn
 
 from tellkit.errors import TellkitError
 from tellkit.layers.attention import ProjectedKV
-from tellkit.models.bttr import BTTR, BTTRConfig, Decoder, DecoderLayer, Encoder, normalised_coordinates
+from tellkit.models.bttr import (
+    BTTR,
+    BTTRConfig,
+    Decoder,
+    DecoderLayer,
+    Encoder,
+    normalised_coordinates,
+    target_padding,
+)
 from tellkit.registry import register_model
 
 
@@ -201,8 +209,9 @@ class ComerDecoder(Decoder):
         x = self.embed_norm(self.embed(tokens)) + self.positions(tokens.shape[1], start, tokens.device)
         x = self.input_norm(x)
         ctx = {"arm": self.arm, "prev": None}
+        pad = target_padding(tokens, states)  # padded rows still enter the ARM's BatchNorm, as in the reference
         for i, layer in enumerate(self.layers):
-            x = layer(x, kvs[i], None if states is None else states[i], ctx)
+            x = layer(x, kvs[i], None if states is None else states[i], ctx, pad=pad)
         return self.out(x)
 
 

@@ -362,18 +362,25 @@ class Decoder(nn.Module):
 # ---------------------------------------------------------------------------------------------
 def bidirectional_targets(labels: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """labels [B, T] (no sos/eos, PAD-padded) -> decoder inputs and targets [2B, T+1]:
-    rows 0..B-1 left-to-right, rows B..2B-1 right-to-left."""
+    rows 0..B-1 left-to-right (inputs sos y, targets y eos), rows B..2B-1 right-to-left (inputs
+    eos reversed(y), targets reversed(y) sos). Built with whole-tensor operations: no read of
+    ``lengths`` back to the host, so a GPU step does not wait on it."""
     b, t = labels.shape
-    inp = torch.full((2 * b, t + 1), PAD, dtype=torch.long, device=labels.device)
-    tgt = torch.full((2 * b, t + 1), PAD, dtype=torch.long, device=labels.device)
-    for i in range(b):
-        n = int(lengths[i])
-        y = labels[i, :n]
-        inp[i, 0], inp[i, 1 : n + 1] = SOS, y
-        tgt[i, :n], tgt[i, n] = y, EOS
-        r = y.flip(0)
-        inp[b + i, 0], inp[b + i, 1 : n + 1] = EOS, r
-        tgt[b + i, :n], tgt[b + i, n] = r, SOS
+    n = lengths.to(labels.device).long()[:, None]  # [B, 1]
+    j = torch.arange(t + 1, device=labels.device)[None]  # [1, T+1]
+    real = j < n  # positions 0..n-1 hold a symbol
+    padded = torch.cat([labels, labels.new_full((b, 1), PAD)], 1)
+    fwd = torch.where(real, padded, PAD)
+    rev = torch.where(real, padded.gather(1, (n - 1 - j).clamp(min=0)), PAD)
+
+    def shift_in(first: int, y: torch.Tensor) -> torch.Tensor:  # first, then y up to n symbols
+        return torch.cat([y.new_full((b, 1), first), y[:, :t]], 1)
+
+    def close(y: torch.Tensor, last: int) -> torch.Tensor:  # y, then ``last`` at position n
+        return torch.where(j == n, torch.full_like(y, last), y)
+
+    inp = torch.cat([shift_in(SOS, fwd), shift_in(EOS, rev)])
+    tgt = torch.cat([close(fwd, EOS), close(rev, SOS)])
     return inp, tgt
 
 

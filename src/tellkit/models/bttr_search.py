@@ -26,6 +26,7 @@ import torch
 from tellkit.data.latex import EOS_ID as EOS
 from tellkit.data.latex import PAD_ID as PAD
 from tellkit.data.latex import SOS_ID as SOS
+from tellkit.decoding import runaway as _runaway
 
 NEG = float("-inf")
 
@@ -48,6 +49,7 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
     alive = list(range(n))  # global ids of the running searches, in row order
     finished: list[list[tuple[list[int], float]]] = [[] for _ in range(n)]
     ar = torch.arange(k, device=dev)[None]
+    stop = _runaway.active()  # a caller may stop runaway outputs early (decoding/runaway.py)
     for _ in range(max_len):
         m = len(alive)
         lp = decoder.step(prefix)  # [m*k, V]
@@ -77,6 +79,12 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
         prefix = torch.cat([prefix.index_select(0, rows), tok.reshape(-1, 1)], 1)
         decoder.reorder(rows)
         scores = top
+        if stop is not None:  # a runaway search ends like one at max_len: its best live hypothesis
+            for i in stop.stopped(prefix[:, 1:].view(len(alive), k, -1), scores).nonzero()[:, 0].tolist():
+                j = int(scores[i].argmax())
+                if not finished[alive[i]]:
+                    finished[alive[i]].append((prefix[i * k + j, 1:].tolist(), float(scores[i, j])))
+                scores[i] = NEG
     # max_len reached: a search with nothing finished keeps its best live hypothesis
     for i, g in enumerate(alive):
         j = int(scores[i].argmax())

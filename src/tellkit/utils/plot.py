@@ -1,79 +1,103 @@
-"""A small line chart drawn with Pillow (no plotting library needed): training curves for
-docs and reports (``tellkit curve``)."""
+"""Training curves a person can read (``tellkit curve --png``): one panel per kind of quantity
+(loss, percentages, counts, ...), each with its unit on the y axis, and the chosen (best)
+evaluation marked on every panel. Drawn with matplotlib (the ``plot`` extra), imported only when
+a figure is made; no pyplot, so no global state and no display is needed."""
 from __future__ import annotations
 
+import io
 import math
+from collections.abc import Mapping, Sequence
 
-COLOURS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
+from tellkit.utils.optional import require
 
-
-def nice_ticks(lo: float, hi: float, target: int = 6, integer: bool = False) -> list[float]:
-    """Round tick values (steps of 1, 2 or 5 x 10^k; whole steps with ``integer``) covering [lo, hi]."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise ValueError("tick range must be finite")
-    if hi <= lo:
-        lo, hi = lo - 1.0, hi + 1.0
-    raw = (hi - lo) / max(target - 1, 1)
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
-    if integer:
-        step = max(1.0, round(step))
-    first = math.floor(lo / step) * step
-    ticks, t = [], first
-    while t < hi + step * 0.5:
-        ticks.append(round(t, 10))
-        t += step
-    return ticks
+# kind -> y-axis label, in the order the panels are stacked
+PANELS = {
+    "loss": "loss (nats per token)",
+    "percent": "score (%)",
+    "count": "count (samples)",
+    "words": "words per caption",
+    "other": "value (as logged)",
+}
+# tellkit's metrics in percent: ExpRate, the caption metrics (x100), ROUGE, Content F1, entity precision/recall
+PERCENT_PREFIXES = ("exprate", "bleu", "meteor", "rouge", "cider", "spice", "content_f1", "accuracy")
+PERCENT_SUFFIXES = ("_precision", "_recall", "_f1")
+COUNT_NAMES = ("n", "count", "samples", "num")
+X_LABELS = {"epoch": "completed epochs", "step": "optimizer steps"}
 
 
-def _label(v: float) -> str:
-    return f"{v:g}" if abs(v) < 1e5 else f"{v:.3g}"
+def metric_kind(name: str) -> str:
+    """Which panel a validation metric belongs to, from its name (``loss``, ``exprate_le1``, ``n``...)."""
+    low = name.lower()
+    if low == "loss" or low.endswith("_loss") or low in ("nll", "ppl_loss"):
+        return "loss"
+    if low in COUNT_NAMES or low.startswith(("n_", "num_", "count_")):
+        return "count"
+    if low == "length":
+        return "words"
+    if low.startswith(PERCENT_PREFIXES) or low.endswith(PERCENT_SUFFIXES):
+        return "percent"
+    return "other"
 
 
-def line_chart(series: dict[str, list[tuple[float, float]]], *, title: str = "", xlabel: str = "",
-               ylabel: str = "", size: tuple[int, int] = (760, 440)):
-    """A PIL image with one line (and point markers) per series of (x, y) points."""
-    from PIL import Image, ImageDraw, ImageFont  # heavy
+def finite_points(evaluations: Sequence[Mapping], metric: str, x: str) -> list[tuple[float, float]]:
+    """(x, value) of ``metric`` over the evaluations, non-finite values left out."""
+    return [(e[x], e[metric]) for e in evaluations
+            if metric in e and isinstance(e[metric], (int, float)) and math.isfinite(e[metric])]
 
-    points = [p for pts in series.values() for p in pts]
-    if not points:
-        raise ValueError("nothing to plot: every series is empty")
-    W, H = size
-    font = ImageFont.load_default(size=14)
-    small = ImageFont.load_default(size=12)
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
-    left, right, top, bottom = 70, 20 + (150 if len(series) > 1 else 0), 52, 55
-    whole = all(float(p[0]).is_integer() for p in points)
-    xs = nice_ticks(min(p[0] for p in points), max(p[0] for p in points), integer=whole)
-    ys = nice_ticks(min(p[1] for p in points), max(p[1] for p in points))
-    x0, x1, y0, y1 = xs[0], xs[-1], ys[0], ys[-1]
 
-    def px(x: float, y: float) -> tuple[float, float]:
-        return (left + (x - x0) / (x1 - x0) * (W - left - right),
-                H - bottom - (y - y0) / (y1 - y0) * (H - top - bottom))
+def curve_figure(evaluations: Sequence[Mapping], metrics: Sequence[str], *, x: str = "epoch", title: str = "",
+                 chosen_step: int | None = None):
+    """A matplotlib ``Figure``: one panel per kind of metric (stacked, sharing the x axis), one
+    line per metric, the evaluation at ``chosen_step`` marked with a dashed line on every panel
+    and a ring on each point. ``evaluations`` are dicts with ``step``, ``epoch`` and one value
+    per metric; non-finite values are left out (see :func:`finite_points`)."""
+    require("matplotlib", "plot", "tellkit curve --png")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional
+    from matplotlib.figure import Figure  # optional
+    from matplotlib.ticker import MaxNLocator  # optional
 
-    for x in xs:  # grid and tick labels
-        a, _ = px(x, y0)
-        d.line([(a, top), (a, H - bottom)], fill=(230, 230, 230))
-        d.text((a, H - bottom + 6), _label(x), fill="black", font=small, anchor="ma")
-    for y in ys:
-        _, b = px(x0, y)
-        d.line([(left, b), (W - right, b)], fill=(230, 230, 230))
-        d.text((left - 6, b), _label(y), fill="black", font=small, anchor="rm")
-    d.rectangle([left, top, W - right, H - bottom], outline="black")
-    d.text((W / 2, 12), title, fill="black", font=font, anchor="ma")
-    d.text(((left + W - right) / 2, H - 22), xlabel, fill="black", font=font, anchor="ma")
-    d.text((left, top - 4), ylabel, fill="black", font=small, anchor="ld")
-    for i, (name, pts) in enumerate(series.items()):
-        colour = COLOURS[i % len(COLOURS)]
-        xy = [px(x, y) for x, y in sorted(pts)]
-        if len(xy) > 1:
-            d.line(xy, fill=colour, width=2)
-        for a, b in xy:
-            d.ellipse([a - 3, b - 3, a + 3, b + 3], fill=colour)
-        if len(series) > 1:  # legend
-            ly = top + 8 + 20 * i
-            d.line([(W - right + 12, ly), (W - right + 32, ly)], fill=colour, width=2)
-            d.text((W - right + 38, ly), name, fill="black", font=small, anchor="lm")
-    return img
+    series = {m: finite_points(evaluations, m, x) for m in metrics}
+    kinds = [k for k in PANELS if any(series[m] and metric_kind(m) == k for m in metrics)]
+    if not kinds:
+        raise ValueError("nothing to plot: no finite value in any series")
+    chosen = next((e for e in evaluations if e["step"] == chosen_step), None) if chosen_step is not None else None
+    ratios = [0.6 if k == "count" else 1.0 for k in kinds]  # a count is usually flat: a low panel
+    fig = Figure(figsize=(8, 1.2 + 2.6 * sum(ratios)), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(kinds), 1, sharex=True, squeeze=False, height_ratios=ratios)[:, 0]
+    colours = iter(f"C{i}" for i in range(1000))
+    for ax, kind in zip(axes, kinds):
+        for m in (m for m in metrics if metric_kind(m) == kind and series[m]):
+            colour = next(colours)
+            xs, ys = zip(*sorted(series[m]))
+            ax.plot(xs, ys, marker="o", markersize=3.5, linewidth=1.6, color=colour, label=m)
+            if chosen is not None and m in chosen and math.isfinite(chosen[m]):
+                ax.plot([chosen[x]], [chosen[m]], marker="o", markersize=10, markerfacecolor="none",
+                        markeredgewidth=1.6, color=colour)
+        if chosen is not None:
+            ax.axvline(chosen[x], color="0.35", linestyle="--", linewidth=1)
+        label = PANELS[kind]
+        if kind == "percent" and any(m.lower().startswith("cider") for m in metrics):
+            label = "score (%; CIDEr x 100)"  # CIDEr is logged x 100 like the others, and may pass 100
+        ax.set_ylabel(label)
+        ax.grid(True, color="0.9")
+        ax.legend(loc="best", fontsize="small", frameon=False)
+        if kind == "count":
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=4))
+            ax.set_ylim(bottom=0, top=1.15 * max(y for m in metrics if metric_kind(m) == kind
+                                                 for _, y in series[m]) + 1)
+    axes[-1].set_xlabel(X_LABELS[x])
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    if chosen is not None:
+        axes[0].set_title(f"dashed: the chosen evaluation (epoch {chosen['epoch']}, step {chosen['step']})",
+                          fontsize="small", loc="left", color="0.3")
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def figure_png(fig) -> bytes:
+    """The figure as PNG bytes."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()

@@ -45,11 +45,21 @@ def test_the_joint_search_stops_runaways_only_inside_the_block():
 
     torch.manual_seed(0)
     model = create_model("bttr/tiny").eval()
-    image = torch.rand(2, 1, 64, 96)
-    free = model.generate(image, beam_size=3, max_len=40)
-    assert model.generate(image, beam_size=3, max_len=40) == free  # deterministic
+    image = torch.rand(2, 1, 32, 48)
+    free = model.generate(image, beam_size=3, max_len=16)
+    assert model.generate(image, beam_size=3, max_len=16) == free  # deterministic
     with stopping_runaways(RunawayStop(floor=-1e-3, after=3)):
-        cut = model.generate(image, beam_size=3, max_len=40)
+        cut = model.generate(image, beam_size=3, max_len=16)
     assert max(len(t) for t in free["tokens"]) > 3  # a random model runs on
     assert all(len(t) <= 3 for t in cut["tokens"]), cut["tokens"]
-    assert model.generate(image, beam_size=3, max_len=40) == free  # and the block leaves nothing behind
+    assert model.generate(image, beam_size=3, max_len=16) == free  # and the block leaves nothing behind
+
+
+def test_a_cycle_of_few_tokens_is_a_runaway_but_crohme_like_text_is_not():
+    stop = RunawayStop(floor=-100.0, after=1, max_repeat=100, window=8, max_distinct=3, max_share=0.5)
+    cycle = torch.tensor([9, 1, 5, 1, 6, 1, 5, 1, 6])          # "| ) | ( ..." : 1 is half of the last 8
+    few = torch.tensor([9, 2, 3, 4, 2, 3, 4, 2, 3])            # 3 different tokens in the last 8
+    text = torch.tensor([9, 10, 11, 12, 13, 11, 14, 15, 16])   # 7 different, none twice in 4
+    tokens = torch.stack([torch.stack([cycle]), torch.stack([few]), torch.stack([text])])
+    assert stop.stopped(tokens, torch.full((3, 1), -1.0)).tolist() == [True, True, False]
+    assert not stop.stopped(tokens[:, :, :7], torch.full((3, 1), -1.0)).any()  # shorter than the window

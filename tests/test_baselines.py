@@ -18,6 +18,10 @@ TINY = {
     "show_attend_tell": dict(vocab_size=V, image_dim=16, embed_dim=12, hidden_dim=14, attention_dim=10),
     "show_attend_tell_adaptive": dict(vocab_size=V, image_dim=16, embed_dim=16, hidden_dim=14, attention_dim=10,
                                       adaptive_cutoffs=[20, 50], adaptive_factor=2.0, adaptive_input=True),
+    # the authors' code's choices (arctic-captions): tanh deep output, zero first input, batch-normalised penalty
+    "show_attend_tell_code": dict(vocab_size=V, image_dim=16, embed_dim=16, hidden_dim=14, attention_dim=10,
+                                  adaptive_cutoffs=[20, 50], adaptive_factor=2.0, adaptive_input=True,
+                                  deep_output_tanh=True, first_input="zeros", doubly_stochastic_norm="batch"),
     "lstm_captioner": dict(vocab_size=V, image_dim=16, article_dim=24, article_layers=3, face_dim=8, object_dim=12,
                            embed_dim=16, hidden_dim=20, num_layers=2, adaptive_cutoffs=[20, 50],
                            contexts=["image", "article", "faces"]),
@@ -26,7 +30,7 @@ TINY = {
 
 def tiny(key: str, **kw):
     torch.manual_seed(0)
-    family = key.removesuffix("_adaptive")
+    family = key.removesuffix("_adaptive").removesuffix("_code")
     return create_model(family, **{**TINY[key], **kw})
 
 
@@ -58,7 +62,8 @@ def seq_log_prob(model, batch, tokens):
     return -float(out["loss"]) * int(out["ntokens"]) if "attention_reg" not in out else None
 
 
-CAPTIONERS = ["show_tell", "show_tell_adaptive", "show_attend_tell", "show_attend_tell_adaptive", "lstm_captioner"]
+CAPTIONERS = ["show_tell", "show_tell_adaptive", "show_attend_tell", "show_attend_tell_adaptive",
+              "show_attend_tell_code", "lstm_captioner"]
 
 
 def test_show_attend_tell_adaptive_input_is_banded_and_smaller():

@@ -342,8 +342,8 @@ class SelfCriticalConfig:
     # (Luo 2020, no extra decoding) | "greedy": the image's greedy caption (Rennie et al. 2017)
     baseline: str = "mean"
     lowercase: bool = True  # the reward's text is lower-cased like the Flickr8k / COCO metrics'
-    # weight of the cross-entropy of the batch's own reference caption beside the drawn ones
-    # (a mixed objective, Paulus et al. 2018); 0 = self-critical alone
+    # the cross-entropy's share w of the loss, w * XE(all the image's references) + (1 - w) * PG
+    # (the reference's 1 - structure_loss_weight; Paulus et al. 2018); 0 = self-critical alone
     xe_weight: float = 0.0
 
     def __post_init__(self) -> None:
@@ -354,8 +354,8 @@ class SelfCriticalConfig:
                                f"got {self.samples}")
         if int(self.max_len) < 1 or not 1 <= int(self.min_len) <= int(self.max_len):
             raise TellkitError(f"scst needs 1 <= min_len <= max_len, got {self.min_len} and {self.max_len}")
-        if not (self.xe_weight >= 0 and math.isfinite(self.xe_weight)):
-            raise TellkitError(f"scst.xe_weight must be a finite number >= 0, got {self.xe_weight}")
+        if not 0 <= self.xe_weight < 1:
+            raise TellkitError(f"scst.xe_weight must be in [0, 1) (the cross-entropy's share), got {self.xe_weight}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise TellkitError(f"scst.temperature must be a positive finite number, got {self.temperature}")
 

@@ -62,7 +62,7 @@ class AdaptiveInput(nn.Module):
         for (lo, hi), emb, proj in zip(self.bands, self.embeddings, self.projections):
             sel = (tokens >= lo) & (tokens < hi)
             if sel.any():
-                out[sel] = proj(emb(tokens[sel] - lo))
+                out[sel] = proj(emb(tokens[sel] - lo)).to(out.dtype)  # float32 under autocast too
         return out
 
 

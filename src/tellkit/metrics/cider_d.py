@@ -10,7 +10,10 @@ tf-idf vectors, clipped cosine similarity, the Gaussian length penalty (sigma 6)
 that code measures length (the count of bigrams), mean over references, x10. With the
 frequencies of the scored set itself the scores equal ``pycocoevalcap``'s (tested).
 
-Texts are compared as given, split on whitespace: normalise them first (:func:`prepare`).
+Texts are compared as given, split on whitespace: normalise them first (:func:`prepare`). The
+self-critical reward appends :data:`EOS_WORD` to every text that ends with the end token (the
+references, their document frequencies, a drawn caption that drew EOS), as the reference
+implementation scores token ids up to and including its end id.
 """
 from __future__ import annotations
 
@@ -23,6 +26,9 @@ from tellkit.metrics.caption import normalize
 
 N = 4
 SIGMA = 6.0
+# the word that stands for the end token in a reward's text (never produced by prepare(): it
+# removes "<" and ">")
+EOS_WORD = "<eos>"
 
 
 def prepare(text: str, lowercase: bool = True) -> str:

@@ -59,7 +59,6 @@ from tellkit.encoders.tokenizer import CaptionTokenizer
 from tellkit.encoders.weights import load_strict, read_state_dict
 from tellkit.errors import TellkitError
 from tellkit.metrics.caption import METRICS, score_captions_detailed
-from tellkit.metrics.cider_d import CiderD, prepare
 from tellkit.metrics.linguistic import linguistic_scores
 from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores, resolve_model, train_proper_nouns
 from tellkit.recipes import CaptionDataConfig, CaptionEvalConfig, EncodersConfig, SelfCriticalConfig, section
@@ -274,12 +273,9 @@ class CaptioningTask(Task):
     def setup_self_critical(self, train_references: list[list[str]]) -> None:
         """The reward of self-critical training: CIDEr-D with the document frequencies of the
         training references (one list per image)."""
-        lc = self.scst.lowercase
-        reward = CiderD([[prepare(r, lc) for r in refs] for refs in train_references])
-        tok = self.tokenizer
         seed = int(section(self.recipe, "train").get("seed", 1))
-        self.self_critical = SelfCritical(self.scst, reward, tok.decode, bos_id=tok.bos_id, eos_id=tok.eos_id,
-                                          pad_id=tok.pad_id, generator=torch.Generator().manual_seed(seed))
+        self.self_critical = SelfCritical.for_references(self.scst, train_references, self.tokenizer, seed=seed,
+                                                         max_caption_tokens=int(self.data.max_caption_tokens))
 
     def encode_sample(self, s: CaptionSample) -> CaptionItem:
         """Context tensors of one sample with the frozen encoders (no cache)."""

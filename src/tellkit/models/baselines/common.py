@@ -106,6 +106,61 @@ def sample(step_fn: Callable, state: dict[str, Any], batch_size: int, num_sample
                       temperature=temperature, generator=generator, device=device)
 
 
+def draw(step_fn: Callable, state: dict[str, Any], batch_size: int, num_samples: int, *, bos_id: int, eos_id: int,
+         pad_id: int, max_len: int, min_len: int = 1, temperature: float = 1.0, greedy: bool = False,
+         generator: torch.Generator | None = None, device=None) -> dict[str, Any]:
+    """``num_samples`` captions per input (rows of input b consecutive) drawn token by token with
+    ``step_fn(last_tokens, state) -> (log_probs [N, V], state)`` in the caller's mode and with
+    gradients, as self-critical training draws them (Rennie et al. 2017; the reference's
+    ``_sample``): a row stops when it draws EOS, or is cut after ``max_len`` tokens without one.
+
+    Each token is drawn from the model's distribution with PAD and BOS removed (and EOS before
+    ``min_len`` tokens), renormalised, at ``temperature`` (``greedy``: its most likely token);
+    ``log_probs`` [N, max_len] holds the drawn token's log-probability under that distribution
+    at temperature 1, from this pass (the graph kept: the same dropout masks that drew it), zero
+    after a row's end; ``mask`` [N, max_len] marks the drawn tokens, EOS included; ``tokens``:
+    the drawn ids without EOS; ``finished``: whether the row drew EOS."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    N = batch_size * num_samples
+    rows = torch.arange(batch_size, device=device).repeat_interleave(num_samples)
+    state = reorder_state(state, rows)
+    alive = torch.arange(N, device=device)  # output row of each decoder row
+    last = torch.full((N,), bos_id, dtype=torch.long, device=device)
+    tokens: list[list[int]] = [[] for _ in range(N)]
+    finished = [False] * N
+    where, values = [], []
+    for t in range(max_len):
+        lp, state = step_fn(last, state)
+        banned = [pad_id] + ([bos_id] if bos_id != eos_id else []) + ([eos_id] if t + 1 < min_len else [])
+        lp = torch.log_softmax(lp.float().index_fill(1, torch.tensor(banned, device=lp.device), float("-inf")), -1)
+        with torch.no_grad():
+            if greedy:
+                chosen = lp.argmax(-1)
+            else:
+                chosen = torch.multinomial(torch.softmax(lp / temperature, -1), 1, generator=generator).squeeze(1)
+        where.append(alive * max_len + t)
+        values.append(lp.gather(1, chosen[:, None]).squeeze(1))
+        done = chosen == eos_id
+        for row, tok, end in zip(alive.tolist(), chosen.tolist(), done.tolist()):
+            if end:
+                finished[row] = True
+            else:
+                tokens[row].append(tok)
+        keep = (~done).nonzero(as_tuple=True)[0]
+        if keep.numel() == 0:
+            break
+        if keep.numel() < done.numel():
+            state = reorder_state(state, keep)
+        alive, last = alive[keep], chosen[keep]
+    index = torch.cat(where)
+    flat = torch.zeros(N * max_len, dtype=torch.float32, device=index.device)
+    mask = torch.zeros(N * max_len, dtype=torch.bool, device=index.device)
+    return {"tokens": tokens, "finished": finished,
+            "log_probs": flat.index_put((index,), torch.cat(values)).view(N, max_len),
+            "mask": mask.index_fill(0, index, True).view(N, max_len)}
+
+
 def attention_lists(alphas: dict[str, torch.Tensor], valid: dict[str, torch.Tensor], b: int,
                     n_steps: int) -> list[dict[str, list[float]]]:
     """Per generated token (EOS included), context -> weights over that context's real entries."""

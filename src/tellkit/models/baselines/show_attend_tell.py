@@ -8,12 +8,31 @@ deterministic "soft" attention model.
     alpha_t         = softmax_i(e_ti)
     z_t             = sigmoid(W_beta h_{t-1}) * sum_i alpha_ti a_i     (the gating scalar beta)
     h_t, c_t        = LSTM([E y_{t-1}; z_t], h_{t-1}, c_{t-1})
-    p(y_t)          = softmax(L_o dropout(E y_{t-1} + L_h h_t + L_z z_t))   the deep output layer
+    p(y_t)          = softmax(L_o drop(f(E y_{t-1} + L_h drop(h_t) + L_z z_t)))   the deep output layer
     loss            = -sum_t log p(y_t) + lambda * sum_i (1 - sum_t alpha_ti)^2
 
 The last term is the doubly stochastic regulariser: over the whole caption, every grid
 location should receive about one unit of attention. The loss is divided by the number of
 target tokens (the training loop's contract); ``nll_bits`` reports the caption part alone.
+
+Where the paper and the authors' code (kelvinxu/arctic-captions, ``capgen.py``) differ, a config
+field says which one runs:
+
+- ``deep_output_tanh``: f is the identity in the paper's equation 7; the code applies tanh
+  (``logit = tanh(ff_logit_lstm(h) + emb + ff_logit_ctx(z))``). False (the paper) by default.
+- ``first_input``: what the LSTM and the deep output read as E y_{-1}: ``bos``, the embedding of
+  the caption vocabulary's BOS id, or ``zeros``, the zero vector the code feeds (its captions
+  start with no BOS word). The paper does not say. ``bos`` by default.
+- ``doubly_stochastic_norm``: ``caption`` is the paper's equation 14 (per caption: lambda times
+  the sum over locations, beside the caption's summed NLL); ``batch`` is the code's
+  ``alpha_c * ((1 - alphas.sum(0)) ** 2).sum(0).mean()`` added to the batch-mean NLL: summed over
+  the batch and averaged over locations, i.e. an effective lambda * B / N per caption (B captions,
+  N locations). The code's batches hold captions of one length (``HomogeneousData``), so no step
+  is padded there; here the sum runs over each caption's real steps (its words and EOS).
+
+The defaults keep checkpoints made before these fields existed reading as they were trained.
+Dropout (``dropout``) acts where the code puts it: on h_t before L_h and on the deep output
+before L_o (never on the recurrent state or the LSTM's input).
 
 ``attention: hard`` is the paper's stochastic "hard" attention (its section 4.1): at every step
 one grid location s_t ~ Multinoulli(alpha_t) is read, z_t = a_{s_t}. Training maximises the
@@ -29,9 +48,14 @@ paper, for half of the images (drawn per image and batch) s~ replaced by its exp
 model's and is not used with hard attention. Generation reads the expected context alpha (a
 deterministic search); the paper gives no value for lambda_e (``entropy_weight``).
 
-Differences from the paper: frozen tellkit image encoder (no fine-tuning); RoBERTa BPE ids as
-the vocabulary; the regulariser sums only over a caption's real steps (padding excluded); the
-search is the project's greedy / beam search.
+Self-critical training (:mod:`tellkit.training.self_critical`) draws captions with :meth:`draw`,
+which keeps, for every drawn token, its log-probability from the pass that drew it (same dropout
+masks), and hands the model a batch with a ``self_critical`` entry that computes the loss.
+
+Other differences from the paper and its code: frozen tellkit image encoder (no fine-tuning);
+RoBERTa BPE ids as the vocabulary (adaptive softmax); one linear layer for the attention's image
+projection and for the initial state (the code's Flickr8k/COCO runs used two, ``n_layers_att`` /
+``n_layers_init``, and an LSTM of 1,800 units); the search is the project's greedy / beam search.
 """
 from __future__ import annotations
 
@@ -50,6 +74,7 @@ from tellkit.models.baselines.common import (
     VocabOutput,
     attention_lists,
     context_set,
+    draw,
     masked_mean,
     masked_softmax,
     sample,
@@ -72,6 +97,11 @@ class ShowAttendTellConfig:
     dropout: float = 0.5
     gate: bool = True  # the beta gating scalar on the attended vector
     doubly_stochastic: float = 1.0  # lambda of the attention regulariser (the paper: 1)
+    # "caption" (the paper's eq. 14) | "batch" (the authors' code: summed over the batch, averaged
+    # over locations: lambda * B / N per caption)
+    doubly_stochastic_norm: str = "caption"
+    deep_output_tanh: bool = False  # tanh on the deep output (the authors' code); the paper's eq. 7 has none
+    first_input: str = "bos"  # E y_{-1}: "bos" (the BOS id's embedding) | "zeros" (the authors' code)
     adaptive_cutoffs: tuple[int, ...] = ()  # () = full softmax (the paper); e.g. [5000, 20000] = adaptive
     adaptive_factor: float = 4.0
     # the input embedding in the same frequency bands as the adaptive softmax (smaller bands for
@@ -93,6 +123,11 @@ class ShowAttendTellConfig:
         self.contexts = tuple(self.contexts)
         if self.attention not in ("soft", "hard"):
             raise ValueError(f"attention must be 'soft' or 'hard', got {self.attention!r}")
+        if self.doubly_stochastic_norm not in ("caption", "batch"):
+            raise ValueError("doubly_stochastic_norm must be 'caption' or 'batch', "
+                             f"got {self.doubly_stochastic_norm!r}")
+        if self.first_input not in ("bos", "zeros"):
+            raise ValueError(f"first_input must be 'bos' or 'zeros', got {self.first_input!r}")
         if not 0.0 <= self.expected_context_prob <= 1.0 or not 0.0 <= self.baseline_decay < 1.0:
             raise ValueError("expected_context_prob must be in [0, 1] and baseline_decay in [0, 1)")
         if self.contexts != ("image",):
@@ -153,9 +188,14 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         if self.beta is not None:
             z = torch.sigmoid(self.beta(s["h"])) * z
         emb = self.embed(y_prev) if emb is None else emb
-        h, c = self.cell(torch.cat([F.dropout(emb, self.config.dropout, self.training), z], dim=-1), (s["h"], s["c"]))
-        deep = emb + self.out_hidden(h) + self.out_context(z)
-        return F.dropout(deep, self.config.dropout, self.training), alpha, {**s, "h": h, "c": c}
+        cfg = self.config
+        if cfg.first_input == "zeros":  # the first step reads a zero vector, not the BOS embedding
+            emb = emb * (y_prev != cfg.bos_id).to(emb.dtype)[:, None]
+        h, c = self.cell(torch.cat([emb, z], dim=-1), (s["h"], s["c"]))
+        deep = emb + self.out_hidden(F.dropout(h, cfg.dropout, self.training)) + self.out_context(z)
+        if cfg.deep_output_tanh:
+            deep = torch.tanh(deep)
+        return F.dropout(deep, cfg.dropout, self.training), alpha, {**s, "h": h, "c": c}
 
     def teacher_forced(self, batch: dict[str, Any], inp: torch.Tensor, hard: dict | None = None):
         """Deep outputs [B, T, E] and attention [B, T, N] for input tokens ``inp`` [B, T]. With
@@ -198,14 +238,28 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         return surrogate
 
     # -- training -----------------------------------------------------------------------------
+    def attention_penalty(self, alpha: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """The doubly stochastic regulariser, summed like the caption NLL it is added to:
+        ``alpha`` [B, T, N] over a caption's real steps ``mask`` [B, T] and real locations
+        ``valid`` [B, N]; ``caption``: lambda * sum_b sum_i (1 - sum_t alpha_bti)^2 (the paper);
+        ``batch``: the code's batch sum of location means, times B (its NLL is a batch mean)."""
+        cfg = self.config
+        total = (alpha.float() * mask[..., None]).sum(1)  # [B, N]: attention each location received
+        per_caption = (((1.0 - total) ** 2) * valid).sum(1)  # [B]
+        if cfg.doubly_stochastic_norm == "batch":
+            per_caption = per_caption / valid.sum(1).clamp(min=1) * alpha.size(0)
+        return cfg.doubly_stochastic * per_caption.sum()
+
     def forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        policy = batch.get("self_critical")
+        if policy is not None:  # self-critical training: the loss of captions drawn in this pass
+            return policy(self, batch)
         inp, target, mask = shift(batch["caption"], self.config.pad_id)
         hard: dict[str, torch.Tensor] = {}
         deep, alpha, valid = self.teacher_forced(batch, inp, hard)
         reg = None
         if self.config.doubly_stochastic > 0 and self.config.attention == "soft":
-            total = (alpha.float() * mask[..., None]).sum(1)  # [B, N]: attention each location received
-            reg = self.config.doubly_stochastic * (((1.0 - total) ** 2) * valid).sum()
+            reg = self.attention_penalty(alpha, mask, valid)
         target_lp = weight_sequences(self.out.target_log_probs(deep[mask], target[mask]),
                                      batch.get("sequence_weights"), mask)
         if hard:
@@ -234,6 +288,29 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         return sample(self._search_step, s, s["a"].size(0), num_samples, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
                       pad_id=cfg.pad_id, max_len=max_len or cfg.max_len, min_len=min_len,
                       temperature=temperature, generator=generator, device=s["a"].device)
+
+    def draw(self, batch: dict[str, Any], num_samples: int = 1, max_len: int | None = None, min_len: int = 1,
+             temperature: float = 1.0, generator: torch.Generator | None = None,
+             greedy: bool = False) -> dict[str, Any]:
+        """``num_samples`` captions per image drawn in the model's current mode (dropout on in
+        training), keeping the graph: ``log_probs`` [B * K, max_len] holds each drawn token's
+        log-probability from this very pass (see :func:`tellkit.models.baselines.common.draw`)."""
+        cfg = self.config
+        if cfg.attention != "soft":
+            raise TellkitError("Show, Attend and Tell draws captions with soft attention only "
+                               f"(model.attention is '{cfg.attention}')")
+        s = self.encode(batch)
+        return draw(self._search_step, s, s["a"].size(0), num_samples, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
+                    pad_id=cfg.pad_id, max_len=max_len or cfg.max_len, min_len=min_len, temperature=temperature,
+                    generator=generator, greedy=greedy, device=s["a"].device)
+
+    def caption_log_probs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced log p of each target token of ``batch["caption"]`` [B, T-1] and the
+        target mask, without the attention penalty (self-critical training's cross-entropy)."""
+        inp, target, mask = shift(batch["caption"], self.config.pad_id)
+        deep, _, _ = self.teacher_forced(batch, inp)
+        lp = torch.zeros(mask.shape, dtype=torch.float32, device=deep.device)
+        return lp.masked_scatter(mask, self.out.target_log_probs(deep[mask], target[mask])), mask
 
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], max_len: int | None = None, beam_size: int = 1,

@@ -26,7 +26,7 @@ import math
 import os
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tellkit.data.ink_augment import InkAugmenter, build_bank, load_inks
-from tellkit.data.inkml import RenderConfig, image_to_tensor, pad_to_stride, scan_folder
+from tellkit.data.inkml import InkExpression, RenderConfig, image_to_tensor, pad_to_stride, rendered_shape, scan_folder
 from tellkit.data.latex import Vocab, normalize
 from tellkit.errors import TellkitError
 from tellkit.utils.images import ImageError, check_image_path, open_image
@@ -48,6 +48,8 @@ class Expression:
     image: Path
     tokens: list[str]
     raw: str = ""
+    # an InkML expression's strokes and segmentation as read (so nothing reads the file again)
+    ink: InkExpression | None = field(default=None, repr=False, compare=False)
 
 
 # --- label files -----------------------------------------------------------------------------
@@ -125,7 +127,7 @@ def load_inkml_split(root: str | os.PathLike, split: str, skipped: dict[str, int
         except TellkitError:
             counts["unparsable truth"] = counts.get("unparsable truth", 0) + 1
             continue
-        exprs.append(Expression(e.id, e.path, toks, e.truth or ""))
+        exprs.append(Expression(e.id, e.path, toks, e.truth or "", e))
     if skipped is not None:
         skipped.update(counts)
     if not exprs:
@@ -404,7 +406,8 @@ class CrohmeDataset(torch.utils.data.Dataset):
         if ink_augment is not None:
             if not isinstance(getattr(render, "config", None), RenderConfig):
                 raise TellkitError("data.augment: the stroke-space keys need InkML data (data.layout: inkml)")
-            self.inks = load_inks(e.image for e in self.exprs)
+            self.inks = [e.ink for e in self.exprs] if all(e.ink for e in self.exprs) else \
+                load_inks(e.image for e in self.exprs)
             self.ink_augment = InkAugmenter(ink_augment, build_bank(self.inks) if ink_augment.substitute else None,
                                             vocab=self.vocab.stoi if drop_unknown else None)
 
@@ -436,9 +439,14 @@ class CrohmeDataset(torch.utils.data.Dataset):
         return image_to_tensor(ink.render(self.render.config)), tokens
 
     def sizes(self) -> list[tuple[int, int]]:
-        """(H, W) of every prepared image (computed once; reads each image)."""
+        """(H, W) of every prepared image (computed once): for InkML expressions read with their
+        strokes, from the renderer's layout (nothing drawn); otherwise by preparing each image."""
         if self._sizes is None:
-            self._sizes = [tuple(self.image(i).shape[-2:]) for i in range(len(self.exprs))]
+            config = getattr(self.render, "config", None)
+            if isinstance(config, RenderConfig) and all(e.ink is not None for e in self.exprs):
+                self._sizes = [rendered_shape(e.ink.strokes, config) for e in self.exprs]
+            else:
+                self._sizes = [tuple(self.image(i).shape[-2:]) for i in range(len(self.exprs))]
         return self._sizes
 
 

@@ -229,19 +229,48 @@ class ScanResult:
     skipped_files: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
 
 
-def scan_folder(folder: str | os.PathLike, require_truth: bool = True) -> ScanResult:
+def _read_or_reason(path: Path, require_truth: bool) -> InkExpression | str:
+    try:
+        return read_inkml(path, require_truth=require_truth)
+    except InkMLError as exc:
+        return exc.reason
+
+
+def _read_chunk(paths: list[Path], require_truth: bool) -> list[InkExpression | str]:
+    return [_read_or_reason(p, require_truth) for p in paths]
+
+
+#: folders with at least this many files are read by several processes (where there are cores)
+PARALLEL_FILES = 400
+
+
+def scan_folder(folder: str | os.PathLike, require_truth: bool = True, workers: int | None = None) -> ScanResult:
     """Every ``*.inkml`` under ``folder`` (recursively, sorted). Unusable files are skipped and
-    counted by reason, never raised."""
+    counted by reason, never raised. ``workers``: processes that read the files (default: one
+    per available core for a folder of at least :data:`PARALLEL_FILES` files, else 1); the
+    result does not depend on it."""
     d = Path(folder)
     if not d.is_dir():
         raise TellkitError(f"InkML folder not found: {d}")
+    files = sorted(d.rglob("*.inkml"))
+    if workers is None:
+        workers = len(os.sched_getaffinity(0)) if len(files) >= PARALLEL_FILES else 1
+    if workers > 1 and len(files) > 1:
+        from concurrent.futures import ProcessPoolExecutor  # heavy
+
+        size = max(16, len(files) // (8 * workers))
+        chunks = [files[i : i + size] for i in range(0, len(files), size)]
+        with ProcessPoolExecutor(min(workers, len(chunks))) as pool:
+            read = [x for part in pool.map(_read_chunk, chunks, [require_truth] * len(chunks)) for x in part]
+    else:
+        read = [_read_or_reason(f, require_truth) for f in files]
     res = ScanResult([])
-    for f in sorted(d.rglob("*.inkml")):
-        try:
-            res.expressions.append(read_inkml(f, require_truth=require_truth))
-        except InkMLError as exc:
-            res.skipped[exc.reason] += 1
-            res.skipped_files.append((str(f), exc.reason))
+    for f, got in zip(files, read):
+        if isinstance(got, str):
+            res.skipped[got] += 1
+            res.skipped_files.append((str(f), got))
+        else:
+            res.expressions.append(got)
     return res
 
 
@@ -301,12 +330,9 @@ def stroke_scale(strokes: Sequence[np.ndarray]) -> float:
     return ext if ext > 0 else 1.0
 
 
-def render_strokes(strokes: Iterable, config: RenderConfig | None = None):
-    """Strokes (sequences of (x, y) points, y down) -> a PIL ``L`` image, black ink on white."""
-    from PIL import Image, ImageDraw  # heavy
-
-    c = config or RenderConfig()
-    arrs = _as_arrays(strokes)
+def _layout(arrs: Sequence[np.ndarray], c: RenderConfig) -> tuple[np.ndarray, float, int, int]:
+    """Where the strokes go: their top-left corner in device units, the pixels per device
+    unit, and the image's width and height in pixels."""
     allp = np.concatenate(arrs)
     lo = allp.min(0)
     ext = np.ptp(allp, axis=0)
@@ -326,6 +352,23 @@ def render_strokes(strokes: Iterable, config: RenderConfig | None = None):
             w, h = size_at(f)
             if w * h <= c.max_pixels:
                 break
+    return lo, f, w, h
+
+
+def rendered_shape(strokes: Iterable, config: RenderConfig | None = None) -> tuple[int, int]:
+    """(H, W) of the model input that :func:`render_strokes` and :func:`image_to_tensor` make of
+    ``strokes``, without drawing them (for size-sorted batches)."""
+    _, _, w, h = _layout(_as_arrays(strokes), config or RenderConfig())
+    return h + (-h) % STRIDE, w + (-w) % STRIDE
+
+
+def render_strokes(strokes: Iterable, config: RenderConfig | None = None):
+    """Strokes (sequences of (x, y) points, y down) -> a PIL ``L`` image, black ink on white."""
+    from PIL import Image, ImageDraw  # heavy
+
+    c = config or RenderConfig()
+    arrs = _as_arrays(strokes)
+    lo, f, w, h = _layout(arrs, c)
     ss = max(1, int(c.supersample))
     off = c.margin + c.line_width / 2
     im = Image.new("L", (w * ss, h * ss), 255)
@@ -426,19 +469,24 @@ class InkRenderer:
                 pass
         return "abs/" + hashlib.sha1(str(p).encode()).hexdigest()
 
-    def image(self, path: str | os.PathLike):
-        """The rendered PIL image (black on white) of one InkML file."""
+    def image(self, path: str | os.PathLike, ink: InkExpression | None = None):
+        """The rendered PIL image (black on white) of one InkML file (``ink``: its strokes,
+        when they have been read already)."""
         p = Path(path)
-        if self.cache is None:
-            return render_strokes(read_inkml(p).strokes, self.config)
-        return self.cache.get(p, self._rel(p), lambda: read_inkml(p).strokes)
 
-    def tensor(self, path: str | os.PathLike):
-        return image_to_tensor(self.image(path))
+        def strokes():
+            return (ink if ink is not None else read_inkml(p)).strokes
+
+        if self.cache is None:
+            return render_strokes(strokes(), self.config)
+        return self.cache.get(p, self._rel(p), strokes)
+
+    def tensor(self, path: str | os.PathLike, ink: InkExpression | None = None):
+        return image_to_tensor(self.image(path, ink))
 
     def strokes_tensor(self, strokes: Iterable):
         return image_to_tensor(render_strokes(strokes, self.config))
 
     def __call__(self, expr) -> object:
         """A :class:`tellkit.data.crohme.Expression` whose ``image`` is an InkML file."""
-        return self.tensor(expr.image)
+        return self.tensor(expr.image, getattr(expr, "ink", None))

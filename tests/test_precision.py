@@ -100,3 +100,14 @@ def test_a_gpu_recipe_trains_on_a_cpu_in_float32_and_says_so(tmp_path, capsys):
     train_recipe(r, tmp_path / "run", progress=False)
     out = capsys.readouterr().out
     assert "float16 mixed precision is for GPUs" in out and "mixed precision off" in out
+
+
+def test_a_deadline_saves_and_stops_then_the_run_resumes(tmp_path):
+    import time
+
+    r = toy_task.recipe(max_epochs=3)
+    s = train_recipe(r, tmp_path / "run", progress=False, deadline=time.time() - 1)
+    assert s["stopped"] == "time" and s["steps"] == 1  # the step in progress finishes, then it saves
+    assert (tmp_path / "run" / "checkpoints" / "last").exists()
+    s = train_recipe(r, tmp_path / "run", progress=False, resume=True)
+    assert s["stopped"] == "max_epochs" and s["steps"] == 18

@@ -306,9 +306,12 @@ def train(
     save_every_minutes: float | None = 30.0,
     keep_checkpoints: int = 0,
     progress: bool = True,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Train ``recipe`` into ``run_dir`` with ``task`` (built from the recipe, see
-    :func:`tellkit.tasks.make_task`); returns a summary (steps, best metric, checkpoints)."""
+    :func:`tellkit.tasks.make_task`); returns a summary (steps, best metric, checkpoints).
+    ``deadline``: a ``time.time()`` at which the run saves its state and stops (reason "time",
+    no final validation), for runs on a machine lent for a fixed time."""
     if save_every_steps is not None and (isinstance(save_every_steps, bool) or int(save_every_steps) < 1):
         raise TellkitError(f"--save-every-steps must be a positive number of steps, got {save_every_steps}")
     if save_every_minutes is not None and not float(save_every_minutes) > 0:
@@ -324,7 +327,7 @@ def train(
     try:
         trainer = Trainer(recipe, cfg, run_dir, dist, resume=resume, task=task, save_every_steps=save_every_steps,
                           save_every_minutes=save_every_minutes, keep_checkpoints=keep_checkpoints,
-                          progress=progress)
+                          progress=progress, deadline=deadline)
         return trainer.setup().fit()
     finally:
         distributed.teardown(dist)
@@ -338,8 +341,10 @@ class Trainer:
 
     def __init__(self, recipe: Mapping[str, Any], cfg: TrainConfig, run_dir: Path, dist: distributed.DistInfo, *,
                  task: Task, resume: bool = False, save_every_steps: int | None = None,
-                 save_every_minutes: float | None = 30.0, keep_checkpoints: int = 0, progress: bool = True):
+                 save_every_minutes: float | None = 30.0, keep_checkpoints: int = 0, progress: bool = True,
+                 deadline: float | None = None):
         self.recipe, self.cfg, self.run_dir, self.dist = recipe, cfg, run_dir, dist
+        self.deadline = deadline
         self.resume, self.task, self.progress = resume, task, progress
         self.save_every_steps, self.save_every_minutes = save_every_steps, save_every_minutes
         self.ckpts = CheckpointManager(run_dir, keep=keep_checkpoints)
@@ -517,7 +522,7 @@ class Trainer:
                     if self.evaluate():
                         stop = "early_stopping"
                     self.last_save = time.time()
-            if stop != "signal" and st.last_eval_step != st.step:
+            if stop not in ("signal", "time") and st.last_eval_step != st.step:
                 self.evaluate()  # final state: validate and save
         if self.tb:
             self.tb.close()
@@ -563,13 +568,14 @@ class Trainer:
                     return "max_steps"
                 # collectives on every rank, every step: all processes must agree to save / stop
                 stop_now = dist.any(stop_signal.requested)
+                out_of_time = dist.any(self.deadline is not None and time.time() >= self.deadline)
                 timed = dist.any(self.save_every_minutes is not None
                                  and time.time() - self.last_save >= 60 * self.save_every_minutes)
-                if stop_now or timed or (self.save_every_steps and st.step % self.save_every_steps == 0):
+                if stop_now or out_of_time or timed or (self.save_every_steps and st.step % self.save_every_steps == 0):
                     self.save()
                     self.last_save = time.time()
-                    if stop_now:
-                        return "signal"
+                    if stop_now or out_of_time:
+                        return "signal" if stop_now else "time"
         finally:
             if bar is not None:
                 bar.close()

@@ -78,7 +78,51 @@ def damage_position(state: Path):
     return "data position 10000 is past the"
 
 
-@pytest.mark.parametrize("damage", [damage_weights, damage_optimizer, damage_position])
+def _edit_json(state: Path, name: str, edit) -> None:
+    f = state / name
+    obj = json.loads(f.read_text())
+    edit(obj)
+    f.write_text(json.dumps(obj))  # NaN as JSON's NaN extension, as a damaged writer would leave it
+
+
+def damage_step(state: Path):
+    _edit_json(state, "trainer_state.json", lambda st: st.update(step=2**70))
+    return "'step' is 1180591620717411303424, not a count"
+
+
+def damage_epoch(state: Path):
+    _edit_json(state, "trainer_state.json", lambda st: st.update(epoch=10**9))
+    return "'epoch' is 1000000000, not a count"
+
+
+def damage_epoch_past_steps(state: Path):
+    _edit_json(state, "trainer_state.json", lambda st: st.update(epoch=st["step"] + 1))
+    return "after only"
+
+
+def damage_window_loss(state: Path):
+    _edit_json(state, "trainer_state.json", lambda st: st.update(window_loss=float("nan")))
+    return "'window_loss' is nan, not a finite number"
+
+
+def damage_world(state: Path):
+    _edit_json(state, "trainer_state.json", lambda st: st.update(world=0))
+    return "'world' is 0, not a number of processes"
+
+
+def damage_lr(state: Path):
+    _edit_json(state, "optimizer.json", lambda o: o["param_groups"][0].update(lr=float("nan")))
+    return "optimizer.json: 'param_groups[0].lr' is nan"
+
+
+def damage_negative_lr(state: Path):
+    _edit_json(state, "optimizer.json", lambda o: o["param_groups"][0].update(lr=-1.0))
+    return "optimizer.json: parameter group 0 has learning rate -1.0"
+
+
+@pytest.mark.parametrize("damage", [damage_weights, damage_optimizer, damage_position, damage_step, damage_epoch,
+                                    damage_epoch_past_steps, damage_window_loss, damage_world, damage_lr,
+                                    damage_negative_lr])
 def test_resume_falls_back_past_a_state_that_does_not_fit(finished_run, cfg, tmp_path, damage):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run, symlinks=True)
@@ -111,9 +155,12 @@ def test_a_full_disk_at_start_up_is_one_line(cfg, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, needle", [(["model.dim=-32"], "the model does not build"),
-                                               (["train.lr=.nan"], "train.lr must be a positive finite number"),
-                                               (["train.lr=.inf"], "train.lr must be a positive finite number"),
-                                               (["train.eps=.nan"], "train.eps must be a finite number")])
+                                               (["train.lr=.nan"], "train.lr: expected a finite number"),
+                                               (["train.lr=.inf"], "train.lr: expected a finite number"),
+                                               (["train.lr=-1"], "train.lr must be a positive finite number"),
+                                               (["train.eps=.nan"], "train.eps: expected a finite number"),
+                                               (["train.seed=.nan"], "train.seed: expected a whole number"),
+                                               (["train.seed=x"], "train.seed: expected a whole number")])
 def test_bad_model_or_train_settings_are_one_line(cfg, tmp_path, overrides, needle):
     one_line_error(tellkit("train", cfg, *overrides, "--out", tmp_path / "run", "--no-progress"), needle)
 

@@ -243,9 +243,9 @@ def test_utf8_article_is_read_exactly(server):
 
 
 @pytest.mark.parametrize("argv, msg", [
-    (["--max-decoding", "0"], "--max-decoding must be >= 1"),
-    (["--header-timeout", "0"], "--header-timeout must be > 0"),
-    (["--body-timeout", "-1"], "--body-timeout must be > 0"),
+    (["--max-decoding", "0"], "--max-decoding must be a whole number from 1 to 64, got 0"),
+    (["--header-timeout", "0"], "--header-timeout must be a number of seconds above 0 and at most 3600"),
+    (["--body-timeout", "-1"], "--body-timeout must be a number of seconds above 0"),
 ])
 def test_cli_refuses_bad_limits_in_one_line(argv, msg, capsys):
     from tellkit.cli import main

@@ -32,6 +32,7 @@ from tellkit._version import __version__
 from tellkit.config import from_dict, to_dict
 from tellkit.errors import TellkitError
 from tellkit.registry import get_entry
+from tellkit.utils.files import read_bytes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -221,12 +222,13 @@ def _json_depth(obj: Any) -> int:
 
 
 def read_json_file(path: Path, what: str = "JSON", max_bytes: int = MAX_CONFIG_BYTES) -> Any:
-    """Parse a small JSON file from an untrusted folder: size and depth capped, one-line errors."""
+    """Parse a small JSON file from an untrusted folder: a regular file only (a FIFO or a device
+    named config.json is refused, never read), size and depth capped, one-line errors."""
     try:
         size = path.stat().st_size
         if size > max_bytes:
             raise TellkitError(f"{path}: {size} bytes, more than the {max_bytes} a {what} may have")
-        text = path.read_bytes().decode("utf-8")
+        text = read_bytes(path, what, max_bytes).decode("utf-8")
         obj = json.loads(text)
     except TellkitError:
         raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Mapping
@@ -22,9 +23,11 @@ from typing import Any, TypeVar
 import yaml
 
 from tellkit.errors import TellkitError
+from tellkit.utils.files import read_text
 
 T = TypeVar("T")
 
+MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB
 # Recipes ship inside the package (``tellkit/configs``); the checkout's ``configs/`` links there.
 CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 
@@ -62,16 +65,14 @@ def load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[st
     if here in _chain:
         cycle = " -> ".join(p.name for p in (*_chain[_chain.index(here):], here))
         raise TellkitError(f"{path}: 'base:' chain loops ({cycle})")
+    text = read_text(path, "recipe", MAX_RECIPE_BYTES)  # a FIFO or a device named x.yaml is never read
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TellkitError(f"{path}: not valid YAML ({first})") from exc
     except RecursionError as exc:
         raise TellkitError(f"{path}: nested too deeply") from exc
-    except UnicodeDecodeError as exc:
-        raise TellkitError(f"{path}: not UTF-8 text") from exc
     if not isinstance(data, dict):
         raise TellkitError(f"{path}: expected a mapping at the top level")
     base = data.pop("base", None)  # simple inheritance: `base: other.yaml`
@@ -113,33 +114,71 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Light type coercion for YAML values (lists->tuples, ints->floats, '1e-4'->float)."""
+    """Light type coercion for YAML values (lists->tuples, ints->floats, whole floats->ints,
+    '1e-4'->float: PyYAML reads ``1e-4`` without a dot as a string)."""
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if value is None:
         return None
-    if origin is typing.Union or (origin is not None and str(origin) == "types.UnionType"):
+    if _is_union(origin):
         non_none = [a for a in args if a is not type(None)]
         return _coerce(value, non_none[0], where) if len(non_none) == 1 else value
     if origin in (tuple, list) and isinstance(value, (list, tuple)):
         inner = args[0] if args else Any
         seq = [_coerce(v, inner, where) for v in value]
         return tuple(seq) if origin is tuple else seq
+    if tp is int and isinstance(value, float) and value.is_integer():  # 1e8, 32.0: whole numbers
+        return int(value)
     if tp is float and isinstance(value, (int, str)) and not isinstance(value, bool):
         try:
             return float(value)
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:
             raise TellkitError(f"{where}: expected a number, got {value!r}") from exc
-    if tp is int and isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError as exc:
-            raise TellkitError(f"{where}: expected an integer, got {value!r}") from exc
     return value
 
 
+def _is_union(origin: Any) -> bool:
+    return origin is typing.Union or (origin is not None and str(origin) == "types.UnionType")
+
+
+def _type_problem(value: Any, tp: Any) -> str | None:
+    """What is wrong with ``value`` for a field declared ``tp`` (None: nothing). Checked: whole
+    numbers (not text, not fractions, not booleans), finite numbers (no NaN or infinity), booleans,
+    sequences of these, and unions of them; other declared types are not checked here."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if value is None:
+        return None
+    if _is_union(origin):
+        problems = [_type_problem(value, a) for a in args if a is not type(None)]
+        return None if any(p is None for p in problems) else problems[0]
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            return f"expected a list, got {value!r}"
+        inner = [a for a in args if a is not Ellipsis]
+        if len(inner) == len(value) and len(inner) > 1:  # tuple[int, float]: one type per position
+            pairs = zip(value, inner)
+        else:
+            pairs = ((v, inner[0] if inner else Any) for v in value)
+        return next((p for p in (_type_problem(v, t) for v, t in pairs) if p is not None), None)
+    if origin is dict and len(args) == 2 and isinstance(value, Mapping):  # dict[str, int]: the values
+        return next((p for p in (_type_problem(v, args[1]) for v in value.values()) if p is not None), None)
+    if tp is bool:
+        return None if isinstance(value, bool) else f"expected true or false, got {value!r}"
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"expected a whole number, got {value!r}"
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"expected a number, got {value!r}"
+        if not math.isfinite(value):
+            return f"expected a finite number, got {value!r}"
+    return None
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "config") -> T:
-    """Build dataclass ``cls`` from a mapping, rejecting unknown keys with a clear message."""
+    """Build dataclass ``cls`` from a mapping, rejecting unknown keys and values of the wrong type
+    (a string or a fraction for a whole number, NaN or infinity for a number, see
+    :func:`_type_problem`) with a one-line message."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls} is not a dataclass")
     hints = typing.get_type_hints(cls)
@@ -157,6 +196,9 @@ def from_dict(cls: type[T], data: Mapping[str, Any], where: str = "config") -> T
             kwargs[k] = from_dict(tp, v, f"{where}.{k}")
         else:
             kwargs[k] = _coerce(v, tp, f"{where}.{k}")
+            problem = _type_problem(kwargs[k], tp)
+            if problem is not None:
+                raise TellkitError(f"{where}.{k}: {problem}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:

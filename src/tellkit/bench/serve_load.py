@@ -3,7 +3,12 @@ requests from several concurrent clients, one in eight of them a bad request tha
 4xx; throughput, latency percentiles (good requests), errors (must be zero) and the server's
 peak memory, with request batching on (``--max-batch 8``) and off (``--max-batch 1``); then the
 server's peak memory while it decodes concurrent large uploads (a 16-bit 4000x4000 PNG of ~40 KB,
-16 M pixels: the largest the default pixel cap admits).
+16 M pixels: the largest the default pixel cap admits); then an attack (:func:`attack`): 16
+concurrent random-noise images to ``/api/recognize`` (each one the model cannot read: the most
+search work an image of that size can cause) while 32 clients upload one byte every 10 s (and
+reconnect when cut), and one normal client sends the page's sample requests throughout: the
+server's peak memory over its idle size, its memory after the burst, the answers to the noise
+images, how soon the slow uploads were cut, and the normal requests' latency and statuses.
 
 The server runs as its own process (``python -m tellkit serve --api-only``, bound to 127.0.0.1),
 so its peak resident memory is read exactly from ``/proc/<pid>/status`` (VmHWM) and the client
@@ -13,6 +18,7 @@ installed, tiny untrained ones (``--untrained``) otherwise; the JSON says which.
 
     tellkit bench serve_load            # writes bench/results/serve_load.json
     python -m tellkit.bench.serve_load --requests 96 --concurrency 8 --out bench/results
+    python -m tellkit.bench.serve_load --attack-only   # only the attack: bench/results/serve_attack.json
 """
 from __future__ import annotations
 
@@ -20,8 +26,10 @@ import argparse
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -145,6 +153,135 @@ def large_upload_peak(url: str, pid: int, n: int = 16, path: str = "/api/recogni
             "statuses": sorted(set(statuses)), "status_counts": {s: statuses.count(s) for s in sorted(set(statuses))}}
 
 
+def noise_png(side: int = 300, seed: int = 0) -> bytes:
+    """A grayscale PNG of uniform random noise (~90 KB at 300 x 300): ink everywhere, nothing to read."""
+    import numpy as np  # heavy
+    from PIL import Image  # heavy
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (side, side), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _slow_upload(url: str, stop: threading.Event, drip_s: float, log: list) -> None:
+    """One client that uploads a 100 KB body one byte every ``drip_s`` seconds, reconnecting
+    whenever the server cuts it, until ``stop``; logs (seconds until cut, status line)."""
+    host, port = url.split("//")[1].split(":")
+    head = (f"POST /api/recognize HTTP/1.1\r\nHost: {host}\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+            "Content-Length: 100000\r\n\r\n").encode()
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(head + b"-")
+                got = b""
+                while not stop.is_set() and not got:
+                    s.settimeout(drip_s)
+                    try:
+                        got = s.recv(4096) or b"<closed>"
+                    except TimeoutError:
+                        s.sendall(b"-")
+                status = got.split(b"\r\n", 1)[0].decode("latin-1")
+        except OSError as exc:
+            status = f"<{type(exc).__name__}>"
+        if not stop.is_set():
+            log.append((round(time.monotonic() - t0, 1), status))
+
+
+def _normal_client(url: str, stop: threading.Event, photo: tuple, math: bytes, log: list) -> None:
+    """The page's own requests, one after another (math sample, then a caption), until ``stop``."""
+    i = 0
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        if i % 2 == 0:
+            status, _ = post(url + "/api/recognize", files={"image": ("expr.png", math, "image/png")}, timeout=120)
+        else:
+            name, data, article = photo
+            status, _ = post(url + "/api/caption", fields={"article": article},
+                             files={"image": (name, data, "image/jpeg")}, timeout=120)
+        log.append(("math" if i % 2 == 0 else "caption", status, time.perf_counter() - t0))
+        i += 1
+        stop.wait(0.5)
+
+
+def _sample_rss(pid: int, stop: threading.Event, log: list, t0: float) -> None:
+    while not stop.is_set():
+        log.append((round(time.monotonic() - t0, 1), _proc_status(pid)["VmRSS"]))
+        stop.wait(0.25)
+
+
+def attack(url: str, pid: int, photo: tuple, math: bytes, n_noise: int = 16, n_slow: int = 32, side: int = 300,
+           drip_s: float = 10.0, min_s: float = 45.0, settle_s: float = 10.0) -> dict[str, Any]:
+    """The attack of issue 39 against a running server (see the module docstring); -> its figures.
+    The noise burst starts 2 s after the slow uploads and the normal client; the attack lasts until
+    every noise request is answered and at least ``min_s`` seconds have passed; memory is then
+    followed for ``settle_s`` seconds."""
+    stop, rss_stop = threading.Event(), threading.Event()
+    slow_log: list = []
+    normal_log: list = []
+    rss_log: list = []
+    idle = _proc_status(pid)["VmRSS"]
+    if not reset_peak(pid):
+        raise RuntimeError(f"cannot reset the peak memory of process {pid} (/proc/{pid}/clear_refs)")
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=_slow_upload, args=(url, stop, drip_s, slow_log), daemon=True)
+               for _ in range(n_slow)]
+    threads.append(threading.Thread(target=_normal_client, args=(url, stop, photo, math, normal_log), daemon=True))
+    sampler = threading.Thread(target=_sample_rss, args=(pid, rss_stop, rss_log, t0), daemon=True)
+    for t in [*threads, sampler]:
+        t.start()
+    time.sleep(2.0)
+    images = [noise_png(side, seed) for seed in range(n_noise)]
+
+    def one(data: bytes):
+        t = time.perf_counter()
+        status, body = post(url + "/api/recognize", files={"image": ("noise.png", data, "image/png")}, timeout=180)
+        return status, time.perf_counter() - t, body.get("error")
+
+    with ThreadPoolExecutor(n_noise) as pool:
+        noise = list(pool.map(one, images))
+    burst_end = time.monotonic()
+    while time.monotonic() - t0 < min_s:
+        time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(drip_s + 5)
+    peak = _proc_status(pid)["VmHWM"]
+    end = time.monotonic()
+    time.sleep(settle_s)
+    rss_stop.set()
+    sampler.join(2)
+    after = {f"{s}s": next((r for t, r in rss_log if t >= end - t0 + s), rss_log[-1][1]) for s in (1, 3, 5, 10)
+             if s <= settle_s}
+    during = [(k, s, t) for k, s, t in normal_log]
+    lat = [t for _, s, t in during if s == 200]
+    return {
+        "noise_images": {"count": n_noise, "side": side, "png_bytes": len(images[0]),
+                         "statuses": {s: [x[0] for x in noise].count(s) for s in sorted({x[0] for x in noise})},
+                         "latency": _percentiles([x[1] for x in noise]),
+                         "burst_s": round(burst_end - t0 - 2.0, 1)},
+        "slow_uploads": {"clients": n_slow, "drip_s": drip_s, "connections": len(slow_log),
+                         "cut_after_s": _seconds([x[0] for x in slow_log]),
+                         "answers": {a: [x[1] for x in slow_log].count(a) for a in sorted({x[1] for x in slow_log})}},
+        "normal_requests": {"sent": len(during), "statuses": {s: [x[1] for x in during].count(s)
+                                                              for s in sorted({x[1] for x in during})},
+                            "latency": _percentiles(lat),
+                            "math_latency": _percentiles([t for k, s, t in during if k == "math" and s == 200]),
+                            "caption_latency": _percentiles([t for k, s, t in during if k == "caption" and s == 200])},
+        "memory_mib": {"idle_rss": idle, "peak_rss": peak, "peak_over_idle": peak - idle,
+                       "rss_after_attack": {k: v - idle for k, v in after.items()},
+                       "rss_timeline": rss_log[::4]},
+        "duration_s": round(end - t0, 1),
+    }
+
+
+def _seconds(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    s = sorted(xs)
+    return {"min": s[0], "median": s[len(s) // 2], "max": s[-1]}
+
+
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -207,6 +344,21 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
     return out
 
 
+def run_attack(model_args: list[str] | None = None, threads: int = 0, **kw) -> dict[str, Any]:
+    """:func:`attack` against a fresh ``tellkit serve`` (batching on), after a warm-up."""
+    photos, math = _inputs()
+    model_args = list(model_args or _default_models())
+    proc, url = _start_server(model_args, 8, threads)
+    try:
+        load_once(url, 4, 2, photos, math)  # warm-up (first-call allocations), not counted
+        time.sleep(2.0)
+        out = attack(url, proc.pid, photos[0], math, **kw)
+        out["workers"] = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())["workers"]
+    finally:
+        _stop(proc)
+    return {"server_args": model_args, **out}
+
+
 def run(quick: bool = False, device: str = "cpu", requests: int | None = None, concurrency: int = 8,
         model_args: list[str] | None = None, threads: int = 0) -> dict[str, Any]:
     n = requests or (16 if quick else 96)
@@ -241,6 +393,8 @@ def run(quick: bool = False, device: str = "cpu", requests: int | None = None, c
                             for k, w in workers.items()}
         result["runs"][label] = stats
     result["total_errors"] = sum(r["errors"] for r in result["runs"].values())
+    if not quick:
+        result["attack"] = run_attack(model_args, threads)
     return result
 
 
@@ -251,7 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads in the server (default: torch's choice)")
     p.add_argument("--untrained", action="store_true", help="serve the tiny untrained models even if defaults exist")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--attack-only", action="store_true",
+                   help="only the attack (noise images + slow uploads): writes serve_attack.json")
+    p.add_argument("--noise-side", type=int, default=300, help="side of the noise images of the attack (default 300)")
     a = p.parse_args(argv)
+    if a.attack_only:
+        return _main_attack(a)
     res = run(requests=a.requests, concurrency=a.concurrency, threads=a.threads,
               model_args=["--untrained"] if a.untrained else None)
     record = {"suite": "serve_load", "machine": machine(),
@@ -270,6 +429,26 @@ def main(argv: list[str] | None = None) -> int:
               f"RSS {big['rss_before_mib']} -> peak {big['peak_rss_mib']} MiB, statuses {big['status_counts']}")
     print(f"wrote {out / 'serve_load.json'}")
     return 0 if res["total_errors"] == 0 else 1
+
+
+def _main_attack(a) -> int:
+    res = run_attack(["--untrained"] if a.untrained else None, a.threads, side=a.noise_side)
+    record = {"suite": "serve_attack", "machine": machine(),
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": res}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "serve_attack.json", record)
+    print(attack_summary(res))
+    print(f"wrote {out / 'serve_attack.json'}")
+    return 0
+
+
+def attack_summary(res: dict[str, Any]) -> str:
+    m, n, s, q = res["memory_mib"], res["normal_requests"], res["slow_uploads"], res["noise_images"]
+    return (f"attack: peak RSS {m['peak_rss']} MiB = idle {m['idle_rss']} + {m['peak_over_idle']} MiB, after "
+            f"{m['rss_after_attack']} MiB over idle; noise answers {q['statuses']}; slow uploads cut after "
+            f"{s['cut_after_s']} s ({s['answers']}); normal requests {n['statuses']}, p50 "
+            f"{n['latency'].get('p50_ms')} ms, max {n['latency'].get('max_ms')} ms")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from pathlib import Path
 from tellkit.cli import positive_int
 from tellkit.cli.cmd_export import add_output_arguments
 from tellkit.errors import TellkitError
+from tellkit.utils.files import check_output_path
 
 NAME = "average"
 HELP = "average the weights of several checkpoints of one model into one inference checkpoint"
@@ -54,8 +55,8 @@ def run(args) -> int:
     from tellkit.training.export import average_checkpoints, source_name, write_checkpoint_folder  # heavy
 
     notes = notes_from(args.note)
+    out = check_output_path(args.out, "--out", folder=True)  # a looping link, /proc, a file: before any work
     found = sources(args.src, args.last)
-    out = Path(args.out)
     kept = write_checkpoint_folder(
         out, lambda d: average_checkpoints(found, d, weights=args.weights, note=notes or None),
         replace=args.replace, sources=found)

@@ -3,9 +3,8 @@ checkpoint: weights (float16 unless --float32), config and recipe sections, no o
 trainer state. This is how packaged default models are made."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from tellkit.errors import TellkitError
+from tellkit.utils.files import check_output_path
 
 NAME = "export"
 HELP = "write a training checkpoint (or a run's best) as a compact inference checkpoint (float16 weights)"
@@ -48,8 +47,8 @@ def run(args) -> int:
     from tellkit.training.export import export_checkpoint, write_checkpoint_folder  # heavy
 
     notes = notes_from(args.note)
+    out = check_output_path(args.out, "--out", folder=True)  # a looping link, /proc, a file: before any work
     src = resolve_checkpoint(args.src)
-    out = Path(args.out)
     kept = write_checkpoint_folder(
         out, lambda d: export_checkpoint(src, d, weights=args.weights, note=notes or None),
         replace=args.replace, sources=[src])

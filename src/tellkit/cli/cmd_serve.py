@@ -2,10 +2,12 @@
 the HTTP JSON API and the demo page (see docs/server.md)."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 from tellkit.errors import TellkitError
+from tellkit.utils.memory import limit_arenas
 
 NAME = "serve"
 HELP = "serve the captioning / handwritten-math API and demo page over HTTP (localhost by default)"
@@ -47,6 +49,9 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--api-only", action="store_true", help="serve the API without the page")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--memory-budget-mb", type=int, default=256,
+                   help="estimated model working memory of the batches running at once, both models together; "
+                   "an input larger than this runs alone (default 256)")
 
 
 def parse_checkpoints(values: list[str]) -> dict[str, str]:
@@ -110,8 +115,50 @@ def load_backends(args) -> tuple[object | None, object | None]:
     return captioner, recognizer
 
 
-def run(args) -> int:
+LIMIT_FLAGS = {"max_upload_bytes": "--max-upload-mb", "max_image_pixels": "--max-image-pixels",
+               "max_article_chars": "--max-article-chars", "request_timeout_s": "--timeout",
+               "max_decoding": "--max-decoding", "header_timeout_s": "--header-timeout",
+               "body_idle_timeout_s": "--body-idle-timeout", "body_timeout_s": "--body-timeout",
+               "max_beam_size": "--max-beam-size", "max_gen_len": "--max-gen-len",
+               "memory_budget_mb": "--memory-budget-mb"}
+
+
+def serve_limits(args):
+    """The server's :class:`~tellkit.server.limits.Limits` from the flags; a value out of range
+    (or not finite) is a one-line error naming the flag."""
     from tellkit.server.limits import Limits  # heavy
+
+    mb = args.max_upload_mb
+    if not (math.isfinite(mb) and 0 < mb <= 1024):
+        raise TellkitError(f"--max-upload-mb must be a number of MiB above 0 and at most 1024, got {mb:g}")
+    try:
+        return Limits(max_upload_bytes=max(1, int(mb * 1024 * 1024)), max_image_pixels=args.max_image_pixels,
+                      max_article_chars=args.max_article_chars, request_timeout_s=args.timeout,
+                      max_decoding=args.max_decoding, header_timeout_s=args.header_timeout,
+                      body_idle_timeout_s=args.body_idle_timeout, body_timeout_s=args.body_timeout,
+                      max_beam_size=args.max_beam_size, max_gen_len=args.max_gen_len,
+                      memory_budget_mb=args.memory_budget_mb)
+    except ValueError as exc:
+        field, _, rest = str(exc).partition(" ")
+        raise TellkitError(f"{LIMIT_FLAGS.get(field, field)} {rest}") from None
+
+
+def check_run_settings(args) -> None:
+    """The port, the batching and thread settings and the device, before anything is loaded."""
+    if not 0 <= args.port <= 65535:
+        raise TellkitError(f"--port {args.port}: out of range")
+    if not 1 <= args.max_batch <= 1024:
+        raise TellkitError(f"--max-batch must be from 1 to 1024, got {args.max_batch}")
+    if not (math.isfinite(args.max_wait_ms) and 0 <= args.max_wait_ms <= 10_000):
+        raise TellkitError(f"--max-wait-ms must be a number of milliseconds from 0 to 10000, got {args.max_wait_ms:g}")
+    if not 0 <= args.threads <= 1024:
+        raise TellkitError(f"--threads must be 0 (torch's choice) or up to 1024 threads, got {args.threads}")
+    from tellkit.checkpoint import device_of  # heavy
+
+    device_of(args.device)  # an unknown device, or a GPU this machine does not have: one line
+
+
+def run(args) -> int:
     from tellkit.utils.optional import require  # heavy
 
     require("fastapi", "server", "tellkit serve")
@@ -119,27 +166,12 @@ def run(args) -> int:
     from tellkit.server.app import check_static, create_app  # heavy
     from tellkit.server.runner import bind, serve  # heavy
 
-    if not 0 <= args.port <= 65535:
-        raise TellkitError(f"--port {args.port}: out of range")
-    try:
-        limits = Limits(max_upload_bytes=int(args.max_upload_mb * 1024 * 1024), max_image_pixels=args.max_image_pixels,
-                        max_article_chars=args.max_article_chars, request_timeout_s=args.timeout,
-                        max_decoding=args.max_decoding, header_timeout_s=args.header_timeout,
-                        body_idle_timeout_s=args.body_idle_timeout, body_timeout_s=args.body_timeout,
-                        max_beam_size=args.max_beam_size, max_gen_len=args.max_gen_len)
-    except ValueError as exc:
-        flags = {"max_upload_bytes": "--max-upload-mb", "max_image_pixels": "--max-image-pixels",
-                 "max_article_chars": "--max-article-chars", "request_timeout_s": "--timeout",
-                 "max_decoding": "--max-decoding", "header_timeout_s": "--header-timeout",
-                 "body_idle_timeout_s": "--body-idle-timeout", "body_timeout_s": "--body-timeout",
-                 "max_beam_size": "--max-beam-size", "max_gen_len": "--max-gen-len"}
-        field, _, rest = str(exc).partition(" ")
-        raise TellkitError(f"{flags.get(field, field)} {rest}") from None
-    if args.max_batch < 1:
-        raise TellkitError("--max-batch must be >= 1")
+    limits = serve_limits(args)
+    check_run_settings(args)
     if not args.api_only:
         check_static()  # fail before loading models, not after
     sock = bind(args.host, args.port)  # a port in use: one line, before the models load
+    limit_arenas(2)  # fewer malloc arenas for the server's threads: less memory kept after a burst
     if args.threads:
         import torch  # heavy
 

@@ -35,9 +35,9 @@ import torch
 
 @dataclass(frozen=True)
 class RunawayStop:
-    floor: float = -1.5     # nats per generated token of the best live hypothesis
+    floor: float = -2.5     # nats per generated token of the best live hypothesis
     after: int = 8          # tokens generated before the floor is checked
-    max_repeat: int = 16    # the same token this many times at the end of every live hypothesis
+    max_repeat: int = 32    # the same token this many times at the end of every live hypothesis
     window: int = 32        # the last tokens in which ...
     max_distinct: int = 4   # ... this few different tokens, or
     max_share: float = 0.5  # ... one token this often (a fraction of the window), is a cycle

@@ -33,10 +33,12 @@ from typing import Any
 
 from tellkit import __version__
 from tellkit.data.inkml import MAX_COORDINATE
+from tellkit.decoding.runaway import stopping_runaways
 from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import Strokes
 from tellkit.server.backends import bound_generation, public_info
-from tellkit.server.batching import BatchWorker, QueueFull
+from tellkit.server.batching import BatchWorker, MemoryBudget, QueueFull
+from tellkit.server.budget import Cost, PrepareOnce, caption_cost, preparer, reads_faces, recognition_cost
 from tellkit.server.limits import Limits, RequestError, check_article, check_framing, decode_image, multipart_boundary
 from tellkit.server.samples import sample_file, sample_index
 from tellkit.utils.optional import require
@@ -61,13 +63,14 @@ class _Refused(Exception):
 
 class _FormScanner:
     """Streams a multipart/form-data body beside the app's own parser, keeping no data: every
-    text field (a part without a filename) must be UTF-8 and at most ``max_chars`` characters.
+    text field (a part without a filename) must be UTF-8 and at most ``max_chars`` characters
+    (``field_chars``: another limit for the fields it names, e.g. the strokes of a drawing).
     A broken body is left to the app's parser to report."""
 
-    def __init__(self, boundary: bytes, max_chars: int):
+    def __init__(self, boundary: bytes, max_chars: int, field_chars: dict[str, int] | None = None):
         from python_multipart.multipart import MultipartParser  # optional
 
-        self.max_chars, self.error, self.broken = max_chars, None, False
+        self.max_chars, self.field_chars, self.error, self.broken = max_chars, field_chars or {}, None, False
         self._reset()
         self.parser = MultipartParser(boundary, {
             "on_part_begin": self._reset, "on_header_field": self._header_field, "on_header_value": self._header_value,
@@ -125,10 +128,10 @@ class _FormScanner:
             self._fail(400, "not_utf8", f"the '{self.name}' field is not valid UTF-8 (byte 0x{byte:02x} near offset "
                        f"{at:,}); send the text encoded as UTF-8")
         self.bytes += len(raw)
-        if self.chars > self.max_chars:
+        limit = self.field_chars.get(self.name, self.max_chars)
+        if self.chars > limit:
             code = "article_too_long" if self.name == "article" else "field_too_long"
-            self._fail(413, code, f"the '{self.name}' field has more than {self.max_chars:,} characters, "
-                       "over the limit")
+            self._fail(413, code, f"the '{self.name}' field has more than {limit:,} characters, over the limit")
 
     def _fail(self, status, code, message):
         self.error = RequestError(status, code, message)
@@ -137,10 +140,12 @@ class _FormScanner:
 
 class _Body:
     """The request body as the app reads it, with the guard's bounds: the idle and total body
-    timeouts, the byte limit and the text-field checks. ``refusal`` is set when one is hit."""
+    timeouts, the minimum transfer rate, the byte limit and the text-field checks. ``refusal`` is
+    set when one is hit. ``admit`` is called once, when the last byte of the body has arrived
+    (a RequestError it returns refuses the request then)."""
 
-    def __init__(self, receive, limits: Limits, content_type: bytes | None):
-        self._receive, self.limits = receive, limits
+    def __init__(self, receive, limits: Limits, content_type: bytes | None, admit=None):
+        self._receive, self.limits, self.admit = receive, limits, admit
         self.seen, self.done, self.t0 = 0, False, None
         self.refusal: RequestError | None = None
         self.discard_rest = False
@@ -148,21 +153,28 @@ class _Body:
         if content_type and content_type.split(b";")[0].strip().lower() == b"multipart/form-data":
             boundary = multipart_boundary(content_type)
             if boundary:
-                self.scanner = _FormScanner(boundary, limits.max_article_chars)
+                self.scanner = _FormScanner(boundary, limits.max_article_chars, {"strokes": limits.max_stroke_chars})
 
     async def _next(self):
-        now = time.monotonic()
+        """The next message, within the whole-body timeout, the idle timeout and the minimum rate
+        (after ``body_grace_s`` the body must have arrived at ``min_body_rate`` on average)."""
+        lim, now = self.limits, time.monotonic()
         if self.t0 is None:
             self.t0 = now
-        left = self.t0 + self.limits.body_timeout_s - now
-        if left <= 0:
-            raise TimeoutError(f"the request body did not arrive within {self.limits.body_timeout_s:g} s")
+        total = self.t0 + lim.body_timeout_s
+        rate = self.t0 + lim.body_grace_s + self.seen / lim.min_body_rate
+        end = min(total, rate, now + lim.body_idle_timeout_s)
         try:
-            return await asyncio.wait_for(self._receive(), min(left, self.limits.body_idle_timeout_s))
+            if end <= now:
+                raise asyncio.TimeoutError()
+            return await asyncio.wait_for(self._receive(), end - now)
         except asyncio.TimeoutError:
-            if left <= self.limits.body_idle_timeout_s:
-                raise TimeoutError(f"the request body did not arrive within {self.limits.body_timeout_s:g} s") from None
-            raise TimeoutError(f"no request data for {self.limits.body_idle_timeout_s:g} s") from None
+            if end >= total:
+                raise TimeoutError(f"the request body did not arrive within {lim.body_timeout_s:g} s") from None
+            if end >= rate:
+                raise TimeoutError(f"the request body arrived at under {lim.min_body_rate:,} bytes/s ({self.seen:,} "
+                                   f"bytes in {time.monotonic() - self.t0:.0f} s)") from None
+            raise TimeoutError(f"no request data for {lim.body_idle_timeout_s:g} s") from None
 
     def refuse(self, err: RequestError, discard_rest: bool):
         self.refusal, self.discard_rest = err, discard_rest
@@ -189,6 +201,10 @@ class _Body:
             err = self.scanner.feed(chunk)
             if err is not None:
                 self.refuse(err, discard_rest=True)
+        if self.done and self.admit is not None:  # the whole body is in: only now does it take a place
+            err, self.admit = self.admit(), None
+            if err is not None:
+                self.refuse(err, discard_rest=False)
         return msg
 
     async def discard(self) -> None:
@@ -209,9 +225,10 @@ class _Body:
 
 async def _send_error(send, err: RequestError):
     body = json.dumps({"error": err.code, "detail": err.message}).encode()
+    extra = [(k.lower().encode(), v.encode()) for k, v in err.headers().items()]
     await send({"type": "http.response.start", "status": err.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+                            (b"connection", b"close"), *extra]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -219,31 +236,71 @@ def _too_large(limits: Limits) -> RequestError:
     return RequestError(413, "request_too_large", f"request body over the limit of {limits.max_upload_bytes:,} bytes")
 
 
+class _Slot:
+    """One API request's places in the server: among the bodies still arriving (at most
+    ``max_receiving``, counted from the headers), then, once the whole body is in, among the
+    requests admitted to decoding and the models (at most ``max_inflight``). A slow upload thus
+    holds a connection, never a place of the requests that are ready."""
+
+    def __init__(self, counters: dict, limits: Limits):
+        self.counters, self.limits, self.state = counters, limits, "receiving"
+        counters["receiving"] += 1  # the event loop is single-threaded: no lock needed
+
+    def admit(self) -> RequestError | None:
+        self.counters["receiving"] -= 1
+        self.state = "refused"
+        if self.counters["inflight"] >= self.limits.max_inflight:
+            return RequestError(503, "busy", f"the server is handling {self.limits.max_inflight} requests; "
+                                "retry shortly", retry_after=2)
+        self.counters["inflight"] += 1
+        self.state = "admitted"
+        return None
+
+    def leave(self) -> None:
+        if self.state == "receiving":
+            self.counters["receiving"] -= 1
+        elif self.state == "admitted":
+            self.counters["inflight"] -= 1
+        self.state = "left"
+
+
 class _RequestGuard:
-    """ASGI middleware in front of the app. Every request: a body over ``max_upload_bytes`` is
-    refused with 413 (from Content-Length when given, else counted while streaming); a body
-    that stalls (``body_idle_timeout_s``) or drags (``body_timeout_s``) gets 408; text fields of
-    a form must be UTF-8 (400) and within ``max_article_chars`` (413). POST /api/* requests are
-    admitted at most ``max_inflight`` at once (503 beyond). The rest of a refused body is read
-    and dropped (bounded) before the JSON answer, so every client can read it."""
+    """ASGI middleware in front of the app. Every request: HTTP/1.0 or 1.1 only (505); a body over
+    ``max_upload_bytes`` is refused with 413 (from Content-Length when given, else counted while
+    streaming); a body that stalls (``body_idle_timeout_s``), drags (``body_timeout_s``) or
+    arrives under ``min_body_rate`` gets 408; text fields of a form must be UTF-8 (400) and within
+    their character limits (413). POST /api/* requests are admitted once their body is in, at
+    most ``max_inflight`` at once (:class:`_Slot`; 503 with Retry-After beyond). The rest of a
+    refused body is read and dropped (bounded) before the JSON answer, so every client can read it."""
 
     def __init__(self, app, limits: Limits, counters: dict):
         self.app, self.limits, self.counters = app, limits, counters
+        counters.setdefault("receiving", 0)
+
+    def _refusal(self, scope, headers: dict, api: bool) -> RequestError | None:
+        version = str(scope.get("http_version", "1.1"))
+        if version not in ("1.0", "1.1"):
+            return RequestError(505, "http_version_not_supported", f"HTTP/{version[:8]} is not served; use HTTP/1.1")
+        refusal = check_framing(headers, self.limits)
+        if refusal is None and api and self.counters["receiving"] >= self.limits.max_receiving:
+            refusal = RequestError(503, "busy", f"{self.limits.max_receiving} uploads are arriving; retry shortly",
+                                   retry_after=5)
+        return refusal
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limits = self.limits
         headers = dict(scope.get("headers") or [])
-        refusal = check_framing(headers, limits)
-        body = _Body(receive, limits, headers.get(b"content-type") if refusal is None else None)
         api = scope.get("method") == "POST" and scope.get("path", "").startswith("/api/")
-        if refusal is None and api and self.counters["inflight"] >= limits.max_inflight:
-            refusal = RequestError(503, "busy", f"the server is handling {limits.max_inflight} requests; retry shortly")
+        refusal = self._refusal(scope, headers, api)
+        slot = _Slot(self.counters, self.limits) if api and refusal is None else None
+        body = _Body(receive, self.limits, headers.get(b"content-type") if refusal is None else None,
+                     admit=slot.admit if slot is not None else None)
         if refusal is not None:
             # a client waiting for "100 Continue" has not sent its body: answer at once; a body
             # whose framing is in doubt is not read (the connection closes after the answer)
-            if refusal.code != "bad_framing" and b"100-continue" not in headers.get(b"expect", b"").lower():
+            framing = refusal.code in ("bad_framing", "http_version_not_supported")
+            if not framing and b"100-continue" not in headers.get(b"expect", b"").lower():
                 await body.discard()
             return await _send_error(send, refusal)
 
@@ -258,16 +315,14 @@ class _RequestGuard:
                 started = True
             await send(msg)
 
-        if api:
-            self.counters["inflight"] += 1  # the event loop is single-threaded: no lock needed
         try:
             await self.app(scope, body.receive, guarded_send)
         except Exception:  # noqa: BLE001
             if body.refusal is None:
                 raise
         finally:
-            if api:
-                self.counters["inflight"] -= 1
+            if slot is not None:
+                slot.leave()
         if body.refusal is not None and not started:
             if body.discard_rest:
                 await body.discard()
@@ -288,11 +343,14 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     if serve_page:
         check_static()
     workers: dict[str, BatchWorker] = {}
+    costs: dict[str, InputCost] = {}
+    budget = MemoryBudget(limits.memory_budget_bytes)  # shared: the batches of both models together
     for name, backend in (("caption", captioner), ("math", recognizer)):
         if backend is not None:  # the search bounded, and fewer images per pass for a wide beam
             batch = max(1, min(max_batch, limits.max_search_rows // bound_generation(backend, limits)))
-            fn = backend.caption if name == "caption" else backend.recognize
-            workers[name] = BatchWorker(name, fn, batch, max_wait_ms / 1000, limits.max_queue)
+            workers[name] = BatchWorker(name, _stopping_runaways(_batch_fn(name, backend)), batch, max_wait_ms / 1000,
+                                        limits.max_queue, budget=budget)
+            costs[name] = InputCost(name, backend)
     models = {"caption": public_info(captioner), "math": public_info(recognizer)}
     reader = ImageReader(limits)
 
@@ -306,15 +364,49 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     extra = {}
     if "form_limits" in inspect.signature(fastapi.FastAPI).parameters:
         # a text field may use up to 4 UTF-8 bytes per character; the guard counts characters
-        extra["form_limits"] = {"max_part_size": 4 * limits.max_article_chars + 4, "max_files": 4, "max_fields": 16}
+        part = max(4 * limits.max_article_chars, limits.max_stroke_chars) + 4
+        extra["form_limits"] = {"max_part_size": part, "max_files": 4, "max_fields": 16}
     app = fastapi.FastAPI(title="tellkit", version=_version(), docs_url=None, redoc_url=None, lifespan=lifespan,
                           description="Transform and Tell captions and BTTR handwritten-math recognition.", **extra)
-    app.state.workers, app.state.limits, app.state.models = workers, limits, models
-    counters = {"inflight": 0}
+    app.state.workers, app.state.limits, app.state.models, app.state.budget = workers, limits, models, budget
+    counters = {"inflight": 0, "receiving": 0}
     add_error_handlers(app, limits)
-    add_routes(app, models, workers, counters, ModelRunner(workers, limits), reader, serve_page)
+    add_routes(app, models, workers, counters, ModelRunner(workers, limits, costs), reader, serve_page)
     app.add_middleware(_RequestGuard, limits=limits, counters=counters)
     return app
+
+
+def _batch_fn(name: str, backend):
+    """What the endpoint's worker calls with a batch of items."""
+    return backend.caption if name == "caption" else backend.recognize
+
+
+def _stopping_runaways(fn):
+    """``fn`` with runaway outputs stopped early (:mod:`tellkit.decoding.runaway`): a request
+    that the model cannot read costs a few dozen tokens of search, not ``max_len``."""
+    def run(items):
+        with stopping_runaways():
+            return fn(items)
+    return run
+
+
+class InputCost:
+    """What one request's item costs its model (:mod:`tellkit.server.budget`), worked out on the
+    decoding threads before the item is queued: a math input is prepared there (rendered or
+    scaled for the model, once: the pipeline reuses the result), so its search's working set
+    is known; a caption input is costed by its image size."""
+
+    def __init__(self, name: str, backend):
+        self.name, self.backend = name, backend
+        owner = preparer(backend) if name == "math" else None
+        self.prepare = PrepareOnce(owner) if owner is not None else None
+        self.faces = reads_faces(backend)
+
+    def __call__(self, item) -> Cost:
+        if self.name == "caption":
+            return caption_cost(item[0] if isinstance(item, tuple) else item, self.faces)
+        prepared = self.prepare.early(item) if self.prepare is not None else None
+        return recognition_cost(self.backend, prepared)
 
 
 def add_error_handlers(app, limits: Limits) -> None:
@@ -325,7 +417,8 @@ def add_error_handlers(app, limits: Limits) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(_req, exc: RequestError):
-        return JSONResponse({"error": exc.code, "detail": exc.message}, status_code=exc.status)
+        return JSONResponse({"error": exc.code, "detail": exc.message}, status_code=exc.status,
+                            headers=exc.headers())
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_req, exc: RequestValidationError):
@@ -354,23 +447,38 @@ def add_error_handlers(app, limits: Limits) -> None:
 
 
 class ModelRunner:
-    """Hands one request's input to its model's batching worker and waits for the answer within
-    the request timeout; every failure becomes a :class:`RequestError`."""
+    """Costs one request's input (:class:`InputCost`, on the decoding threads), hands it to its
+    model's batching worker and waits for the answer within the request timeout; every failure
+    becomes a :class:`RequestError` (503 with Retry-After when the worker would not answer in time)."""
 
-    def __init__(self, workers: dict[str, BatchWorker], limits: Limits):
-        self.workers, self.limits = workers, limits
+    def __init__(self, workers: dict[str, BatchWorker], limits: Limits, costs: dict[str, InputCost] | None = None):
+        self.workers, self.limits, self.costs = workers, limits, costs or {}
 
-    async def run(self, name: str, item: Any, t0: float):
-        worker, limits = self.workers.get(name), self.limits
+    def worker(self, name: str) -> BatchWorker:
+        worker = self.workers.get(name)
         if worker is None:
             what = "captioning" if name == "caption" else "math recognition"
             raise RequestError(503, "model_not_loaded", f"no {what} model is loaded on this server "
                                f"(start it with --checkpoint {name}=DIR or --untrained)")
+        return worker
+
+    async def cost(self, name: str, item: Any, reader: "ImageReader") -> Cost:
+        self.worker(name)
+        costing = self.costs.get(name)
+        if costing is None:
+            return Cost(0, 1.0)
         try:
-            fut = worker.submit(item)
-        except QueueFull as exc:
-            raise RequestError(503, "busy", f"{exc}; retry shortly") from None
+            return await reader.call(costing, item)
+        except TellkitError as exc:
+            raise RequestError(422, "bad_input", str(exc)) from None
+
+    async def run(self, name: str, item: Any, t0: float, cost: Cost | None = None):
+        worker, limits, cost = self.worker(name), self.limits, cost or Cost(0, 1.0)
         left = limits.request_timeout_s - (time.perf_counter() - t0)
+        try:
+            fut = worker.submit(item, cost.bytes, cost.work, deadline_s=left)
+        except QueueFull as exc:
+            raise RequestError(503, "busy", f"{exc}; retry shortly", retry_after=exc.retry_after) from None
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout=max(left, 0.001))
         except asyncio.TimeoutError:
@@ -400,6 +508,10 @@ class ImageReader:
 
     async def read(self, upload, max_side: int) -> Any:
         return await asyncio.wrap_future(self.pool.submit(self._decode, upload, max_side))
+
+    async def call(self, fn, *args) -> Any:
+        """``fn(*args)`` on the decoding threads (parsing strokes, preparing an input)."""
+        return await asyncio.wrap_future(self.pool.submit(fn, *args))
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -474,6 +586,7 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
     def health() -> dict:
         return {"status": "ok", "version": _version(), "models": models,
                 "workers": {k: w.snapshot() for k, w in workers.items()}, "inflight": counters["inflight"],
+                "receiving": counters["receiving"], "memory_budget": _budget_info(app.state.budget),
                 "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__}}
 
     @app.post("/api/caption", tags=["models"], summary="Caption an image, optionally in the context of an article",
@@ -483,7 +596,8 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
         t0 = time.perf_counter()
         text = check_article(article, limits)
         img, original = await reader.read(image, limits.caption_max_side)
-        res = await runner.run("caption", (img, text), t0)
+        cost = await runner.cost("caption", (img, text), reader)
+        res = await runner.run("caption", (img, text), t0, cost)
         return {**res, "resized_from": original, "model": models["caption"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
@@ -497,10 +611,11 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
         if (image is None) == (strokes is None):
             raise RequestError(422, "invalid_request", "send exactly one of 'image' (a file) or 'strokes' (JSON)")
         if strokes is not None:
-            item, original = parse_strokes(strokes), None
+            item, original = await reader.call(parse_strokes, strokes, limits), None
         else:
             item, original = await reader.read(image, limits.math_max_side)
-        res = await runner.run("math", item, t0)
+        cost = await runner.cost("math", item, reader)
+        res = await runner.run("math", item, t0, cost)
         return {**res, "resized_from": original, "model": models["math"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
@@ -532,37 +647,44 @@ def add_page(app) -> None:
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 
-MAX_STROKES, MAX_POINTS = 2_000, 100_000
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a coordinate")
 
 
-def parse_strokes(text: str):
+def parse_strokes(text: str, limits: Limits | None = None):
     """The drawing pad's JSON strokes -> :class:`tellkit.pipelines.recognition.Strokes` (rendered by
-    the same renderer as the model's InkML training data), or a 422 with what is wrong."""
+    the same renderer as the model's InkML training data), or a 422 with what is wrong (413 past
+    the point limit). Numbers of any length are read as floats (a 400-digit integer is a huge
+    coordinate, refused like 1e300), NaN and Infinity are not JSON numbers."""
+    limits = limits or Limits()
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_int=float, parse_constant=_no_constant)
     except ValueError:
-        raise RequestError(422, "bad_input", "'strokes' is not valid JSON") from None
+        raise RequestError(422, "bad_input", "'strokes' is not valid JSON of finite numbers") from None
     except RecursionError:
         raise RequestError(422, "bad_input", "'strokes' is nested too deeply: expected [[[x, y], ...], ...]") from None
-    if not isinstance(data, list) or not data or len(data) > MAX_STROKES:
-        raise RequestError(422, "bad_input", f"'strokes' must be a list of 1 to {MAX_STROKES} strokes")
+    if not isinstance(data, list) or not data or len(data) > limits.max_stroke_count:
+        raise RequestError(422, "bad_input", f"'strokes' must be a list of 1 to {limits.max_stroke_count:,} strokes")
     out, n = [], 0
     for s in data:
         if not isinstance(s, list) or not s:
             raise RequestError(422, "bad_input", "each stroke must be a non-empty list of [x, y] points")
+        n += len(s)
+        if n > limits.max_stroke_points:
+            raise RequestError(413, "too_many_points", f"more than {limits.max_stroke_points:,} points in 'strokes'")
         pts = []
         for p in s:
-            if (not isinstance(p, list) or len(p) < 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                                 and math.isfinite(v) and abs(v) <= MAX_COORDINATE
-                                                                 for v in p[:2])):
+            if (not isinstance(p, list) or len(p) < 2 or not all(isinstance(v, float) and math.isfinite(v)
+                                                                 and abs(v) <= MAX_COORDINATE for v in p[:2])):
                 raise RequestError(422, "bad_input", f"each point must be [x, y] with finite numbers of at most "
                                    f"{MAX_COORDINATE:g} in magnitude")
-            pts.append((float(p[0]), float(p[1])))
-        n += len(pts)
-        if n > MAX_POINTS:
-            raise RequestError(413, "too_many_points", f"more than {MAX_POINTS} points in 'strokes'")
+            pts.append((p[0], p[1]))
         out.append(pts)
     return Strokes(out)
+
+
+def _budget_info(budget: MemoryBudget) -> dict:
+    return {"total_mib": budget.total >> 20, "used_mib": budget.used >> 20, "peak_mib": budget.peak >> 20}
 
 
 def _version() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tellkit.recipes import MAX_BEAM_SIZE, MAX_GENERATION_LEN
 from tellkit.utils.images import ImageError
 from tellkit.utils.images import decode_image as safe_decode
 
@@ -18,45 +19,76 @@ IMAGE_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp",
                  "GIF": "image/gif"}
 
 
+# Upper bounds of the settings themselves: a flag past one is a mistake (or an attack on the
+# operator), refused in one line at start-up instead of serving without a limit.
+SETTING_CAPS = {"max_upload_bytes": 1 << 30, "max_image_pixels": 64_000_000, "max_article_chars": 1_000_000,
+                "max_queue": 10_000, "max_inflight": 10_000, "max_receiving": 100_000, "max_decoding": 64,
+                "caption_max_side": 8192, "math_max_side": 8192, "max_beam_size": MAX_BEAM_SIZE,
+                "max_gen_len": MAX_GENERATION_LEN, "max_search_rows": 65_536, "max_stroke_count": 1_000_000,
+                "max_stroke_points": 10_000_000, "max_stroke_chars": 1 << 30, "memory_budget_mb": 1 << 20,
+                "request_timeout_s": 3600.0, "header_timeout_s": 3600.0, "body_idle_timeout_s": 3600.0,
+                "body_timeout_s": 3600.0, "body_grace_s": 3600.0, "min_body_rate": 1 << 30}
+
+
 @dataclass
 class Limits:
     max_upload_bytes: int = 8 * 1024 * 1024     # whole request body
     max_image_pixels: int = 16_000_000          # width x height of an uploaded image
     min_image_side: int = 8                     # smaller images carry nothing to caption
-    max_article_chars: int = 20_000             # pasted article text (UTF-8)
+    max_article_chars: int = 20_000             # pasted article text (UTF-8); also any other text field
     request_timeout_s: float = 60.0             # queueing + model time per request
     max_queue: int = 64                         # waiting requests per model; beyond: 503
-    max_inflight: int = 32                      # API requests admitted at once (all endpoints); beyond: 503
+    max_inflight: int = 32                      # API requests admitted at once (once their body is in); beyond: 503
+    max_receiving: int = 512                    # requests whose body is still arriving; beyond: 503 at the headers
     max_decoding: int = 2                       # images decoded at once (bounds the decoders' peak memory)
     caption_max_side: int = 1600                # larger photos are shrunk first (MTCNN cost grows with pixels)
     math_max_side: int = 1024                   # larger expression images are shrunk (CROHME: < 320k pixels)
     header_timeout_s: float = 10.0              # the request line and headers must arrive within this
     body_idle_timeout_s: float = 15.0           # longest silence while the body is being received
     body_timeout_s: float = 120.0               # the whole body must arrive within this
+    body_grace_s: float = 10.0                  # after this the body must keep up min_body_rate on average ...
+    min_body_rate: int = 8 * 1024               # ... bytes a second (a slow upload is cut, not waited for)
     max_discard_bytes: int = 64 * 1024 * 1024   # rest of a refused body read and dropped so the client gets the answer
     max_beam_size: int = 16                     # a checkpoint's larger beam is served at this width
     max_gen_len: int = 256                      # a checkpoint's longer max_len is served at this length
     max_search_rows: int = 64                   # images x beam in one forward pass (smaller batches past it)
+    max_stroke_count: int = 2_000               # strokes in one drawing
+    max_stroke_points: int = 100_000            # points in all its strokes
+    max_stroke_chars: int = 5_000_000           # characters of the 'strokes' field (~40 a point at full precision)
+    memory_budget_mb: int = 256                 # estimated model working memory of the batches running at once
 
     def __post_init__(self):
         for name in ("max_upload_bytes", "max_image_pixels", "max_article_chars", "max_queue", "max_inflight",
-                     "max_decoding", "caption_max_side", "math_max_side", "max_beam_size", "max_gen_len",
-                     "max_search_rows"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        for name in ("request_timeout_s", "header_timeout_s", "body_idle_timeout_s", "body_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
+                     "max_receiving", "max_decoding", "caption_max_side", "math_max_side", "max_beam_size",
+                     "max_gen_len", "max_search_rows", "max_stroke_count", "max_stroke_points", "max_stroke_chars",
+                     "memory_budget_mb", "min_body_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= SETTING_CAPS[name]:
+                raise ValueError(f"{name} must be a whole number from 1 to {SETTING_CAPS[name]:,}, got {v!r}")
+        for name in ("request_timeout_s", "header_timeout_s", "body_idle_timeout_s", "body_timeout_s",
+                     "body_grace_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= SETTING_CAPS[name]:
+                raise ValueError(f"{name} must be a number of seconds above 0 and at most "
+                                 f"{SETTING_CAPS[name]:g}, got {v!r}")
         if self.max_discard_bytes < 0:
             raise ValueError("max_discard_bytes must be >= 0")
 
+    @property
+    def memory_budget_bytes(self) -> int:
+        return self.memory_budget_mb << 20
+
 
 class RequestError(Exception):
-    """A client error: ``status`` (4xx/5xx), ``code`` (stable, machine-readable), message."""
+    """A client error: ``status`` (4xx/5xx), ``code`` (stable, machine-readable), message;
+    ``retry_after`` (seconds) becomes a ``Retry-After`` header (a 503 busy)."""
 
-    def __init__(self, status: int, code: str, message: str):
+    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None):
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(max(1, int(self.retry_after)))}
 
 
 # tellkit.utils.images.ImageError reasons -> (status, code) of the API

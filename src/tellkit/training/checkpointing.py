@@ -22,13 +22,16 @@ states of the ``keep`` newest steps stay (``tellkit train --keep-checkpoints N``
 removes the temporary folder and raises a one-line error; the previous state is untouched.
 
 Resume (:meth:`CheckpointManager.find_resume`) reads ``last``; when it is missing, dangling or
-damaged (unreadable JSON, truncated tensors, missing optimizer or RNG files, non-finite values)
-it falls back to the newest intact state, naming what was wrong, or stops with one line.
+damaged (unreadable JSON, truncated tensors, missing optimizer or RNG files, non-finite values,
+numbers out of range: a step or epoch no run reaches, an epoch past its steps, a learning rate
+that is not a finite number >= 0, a world of 0 processes) it falls back to the newest intact
+state, naming what was wrong, or stops with one line.
 
 Nothing here unpickles: tensors are read with safetensors, everything else is JSON.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -86,6 +89,30 @@ def _read_json(path: Path) -> Any:
         raise DamagedCheckpoint(str(exc).replace(str(path.parent) + os.sep, "")) from exc
 
 
+# a saved count past these is damage, not progress (2**40 steps would take a thousand years at 30 steps/s)
+MAX_SAVED_STEP = 2**40
+MAX_SAVED_EPOCH = 10**6
+
+
+def _check_numbers(obj: Any, file: str, where: str = "") -> None:
+    """Every number in ``obj`` (nested JSON) finite; a :class:`DamagedCheckpoint` naming the first
+    that is not (NaN, infinity, or an integer too large for a float)."""
+    stack: list[tuple[str, Any]] = [(where, obj)]
+    while stack:
+        key, v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend((f"{key}.{k}" if key else str(k), x) for k, x in v.items())
+        elif isinstance(v, list):
+            stack.extend((f"{key}[{i}]", x) for i, x in enumerate(v))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            try:
+                ok = math.isfinite(v)
+            except OverflowError:
+                ok = False
+            if not ok:
+                raise DamagedCheckpoint(f"{file}: '{key}' is {v!r}, not a finite number")
+
+
 def _check_finite(tensors: dict[str, torch.Tensor], file: str) -> None:
     for k, t in tensors.items():
         if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
@@ -115,6 +142,11 @@ def read_optimizer(directory: Path) -> dict[str, Any]:
     if not isinstance(meta, dict) or not isinstance(meta.get("state"), dict) \
             or not isinstance(meta.get("param_groups"), list):
         raise DamagedCheckpoint("optimizer.json: not an optimizer state")
+    _check_numbers(meta, "optimizer.json")
+    for i, group in enumerate(meta["param_groups"]):
+        lr = group.get("lr") if isinstance(group, dict) else None
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr < 0:
+            raise DamagedCheckpoint(f"optimizer.json: parameter group {i} has learning rate {lr!r}")
     tensors = _load_tensors(directory / "optimizer.safetensors")
     _check_finite(tensors, "optimizer.safetensors")
     state: dict[int, dict[str, Any]] = {}
@@ -222,13 +254,18 @@ def read_state(directory: Path, rank: int = 0, world: int = 1) -> SavedState:
     trainer = _read_json(directory / STATE_NAME)
     if not isinstance(trainer, dict):
         raise DamagedCheckpoint(f"{STATE_NAME}: not a mapping")
-    for key in ("step", "epoch", "pos"):
+    for key, high in (("step", MAX_SAVED_STEP), ("epoch", MAX_SAVED_EPOCH), ("pos", MAX_SAVED_STEP)):
         v = trainer.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise DamagedCheckpoint(f"{STATE_NAME}: '{key}' is {v!r}, not a count")
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= high:
+            raise DamagedCheckpoint(f"{STATE_NAME}: '{key}' is {v!r}, not a count (0 to {high:,})")
+    if trainer["epoch"] > trainer["step"]:  # every epoch takes at least one optimizer step
+        raise DamagedCheckpoint(f"{STATE_NAME}: epoch {trainer['epoch']} after only {trainer['step']} steps")
     if not isinstance(trainer.get("schedule"), dict):
         raise DamagedCheckpoint(f"{STATE_NAME}: no schedule state")
-    saved_world = trainer.get("world") if isinstance(trainer.get("world"), int) else 1
+    _check_numbers(trainer, STATE_NAME)
+    saved_world = trainer.get("world", 1)
+    if isinstance(saved_world, bool) or not isinstance(saved_world, int) or not 1 <= saved_world <= 65_536:
+        raise DamagedCheckpoint(f"{STATE_NAME}: 'world' is {saved_world!r}, not a number of processes")
     try:
         read_checkpoint_config(directory)
     except TellkitError as exc:
@@ -272,10 +309,13 @@ def fits_run(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                                         f"the model's is {list(own[k].shape)}")
         if optimizer is not None:
             _check_optimizer_shapes(optimizer, saved.optimizer)
-        epoch, pos = saved.trainer["epoch"], saved.trainer["pos"]
+        step, epoch, pos = saved.trainer["step"], saved.trainer["epoch"], saved.trainer["pos"]
         n = epoch_length(epoch)
         if pos > n:
             raise DamagedCheckpoint(f"{STATE_NAME}: data position {pos} is past the {n} batches of epoch {epoch}")
+        if step > (epoch + 1) * max(n, epoch_length(0)) * 2:  # an optimizer step takes at least one batch
+            raise DamagedCheckpoint(f"{STATE_NAME}: step {step:,} is more than epoch {epoch} and batch {pos} "
+                                    "could have taken")
 
     return check
 

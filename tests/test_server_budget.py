@@ -1,0 +1,319 @@
+"""Issue 39 on the server side: bounded work per request (a memory budget shared by the model
+workers, admission by the measured speed with 503 + Retry-After, cheap requests not stuck behind
+expensive ones, an input prepared once), no client starving the others (a request takes a place
+only once its body is in; a slow body is cut by a minimum rate), the strokes field's own limits,
+and HTTP versions. Stub models and a real socket on 127.0.0.1: seconds."""
+from __future__ import annotations
+
+import io
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("fastapi")
+pytest.importorskip("python_multipart")
+
+from tellkit.server.app import create_app, parse_strokes  # noqa: E402
+from tellkit.server.batching import BatchWorker, MemoryBudget, QueueFull  # noqa: E402
+from tellkit.server.budget import PrepareOnce, recognition_cost  # noqa: E402
+from tellkit.server.limits import Limits, RequestError  # noqa: E402
+from tellkit.server.runner import ServerThread, encode_multipart, post  # noqa: E402
+
+
+class Echo:
+    """A math model that answers at once (or after ``delay`` s a batch)."""
+
+    info = {"name": "stub-math", "trained": False, "checkpoint": None}
+    task = "recognize"
+
+    def __init__(self, delay: float = 0.0):
+        self.delay = delay
+
+    def __call__(self, items):
+        time.sleep(self.delay)
+        return [{"text": "x", "tokens": ["x"], "score": 0.0} for _ in items]
+
+    def recognize(self, items):
+        return [{"latex": r["text"], **{k: v for k, v in r.items() if k != "text"}} for r in self(items)]
+
+
+def png(w=64, h=48) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((h, w, 3), 255, np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _wait(pred, timeout=10.0):
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError("timed out")
+        time.sleep(0.01)
+
+
+# --- the batching worker -----------------------------------------------------------------------------
+def test_batches_hold_at_most_the_memory_budget_and_a_large_item_runs_alone():
+    seen, gate, entered = [], threading.Event(), threading.Event()
+
+    def fn(items):
+        entered.set()
+        gate.wait(5)
+        seen.append(list(items))
+        return items
+
+    budget = MemoryBudget(100)
+    w = BatchWorker("t", fn, max_batch=8, max_wait_s=0.05, budget=budget)
+    try:
+        futs = [w.submit("first", cost=10)]  # holds the worker while the rest queue up
+        assert entered.wait(5)
+        futs += [w.submit(f"s{i}", cost=30) for i in range(4)] + [w.submit("big", cost=500)]
+        gate.set()
+        assert [f.result(5) for f in futs] == ["first", "s0", "s1", "s2", "s3", "big"]
+    finally:
+        w.close()
+    assert seen == [["first"], ["s0", "s1", "s2"], ["s3"], ["big"]]
+    assert budget.used == 0 and budget.peak == 500
+
+
+def test_workers_sharing_a_budget_never_run_over_it_together():
+    budget, running, most = MemoryBudget(100), [0], [0]
+    lock = threading.Lock()
+
+    def fn(items):
+        with lock:
+            running[0] += 60
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with lock:
+            running[0] -= 60
+        return items
+
+    a, b = (BatchWorker(n, fn, max_batch=1, budget=budget) for n in ("a", "b"))
+    try:
+        futs = [w.submit(i, cost=60) for i in range(4) for w in (a, b)]
+        [f.result(10) for f in futs]
+    finally:
+        a.close()
+        b.close()
+    assert most[0] == 60
+
+
+def test_a_cheap_item_is_not_stuck_behind_expensive_ones():
+    order, gate, entered = [], threading.Event(), threading.Event()
+    gate.set()
+
+    def fn(items):
+        entered.set()
+        gate.wait(5)
+        order.extend(items)
+        time.sleep(0.02)
+        return items
+
+    w = BatchWorker("t", fn, max_batch=1)
+    try:
+        w.submit("warm", work=1.0).result(10)  # the worker learns its speed (seconds per unit of work)
+        gate.clear()
+        entered.clear()
+        order.clear()
+        futs = [w.submit("hold", work=1.0)]
+        assert entered.wait(5)
+        futs += [w.submit(f"big{i}", work=500.0) for i in range(3)] + [w.submit("small", work=1.0)]
+        gate.set()
+        [f.result(10) for f in futs]
+    finally:
+        w.close()
+    assert order.index("small") == 1, order
+
+
+def test_work_that_cannot_finish_in_time_is_refused_with_a_retry_time():
+    w = BatchWorker("t", lambda items: (time.sleep(0.2), items)[1], max_batch=1)
+    try:
+        w.submit("warm", work=1.0).result(10)  # ~0.2 s per unit
+        futs = [w.submit(i, work=1.0, deadline_s=5.0) for i in range(3)]
+        with pytest.raises(QueueFull) as exc:
+            w.submit("late", work=30.0, deadline_s=5.0)  # ~6 s of work alone
+        assert exc.value.retry_after >= 1 and "more than the 5 s" in str(exc.value)
+        [f.result(10) for f in futs]
+        assert w.snapshot()["refused_busy"] == 1
+    finally:
+        w.close()
+
+
+def test_the_worker_refuses_past_its_queue_with_a_retry_time():
+    gate, entered = threading.Event(), threading.Event()
+    w = BatchWorker("t", lambda items: (entered.set(), gate.wait(5), items)[2], max_batch=1, max_queue=2)
+    try:
+        futs = [w.submit(0)]
+        assert entered.wait(5)
+        futs += [w.submit(1), w.submit(2)]
+        with pytest.raises(QueueFull) as exc:
+            w.submit(3)
+        assert exc.value.retry_after >= 1
+        gate.set()
+        [f.result(5) for f in futs]
+    finally:
+        w.close()
+
+
+# --- what a search costs ------------------------------------------------------------------------------
+def test_a_search_costs_more_on_a_larger_grid_and_an_unprepared_input_costs_the_worst_case():
+    torch = pytest.importorskip("torch")
+
+    class Cfg:
+        d_model, num_decoder_layers = 256, 3
+
+    class Net:
+        config = Cfg()
+
+    class Model:
+        beam_size, max_len, model = 10, 200, Net()
+
+    small = recognition_cost(Model(), torch.zeros(1, 64, 96))
+    noise = recognition_cost(Model(), torch.zeros(1, 576, 576))
+    worst = recognition_cost(Model(), None)
+    assert small.bytes < 80 << 20 < 300 << 20 < noise.bytes == worst.bytes
+    assert small.work < noise.work
+    # the keys and values of 2 x 10 rows over 36 x 36 cells in 3 layers of width 256: 159 MiB
+    assert noise.bytes > 20 * 1296 * 256 * 2 * 3 * 4
+
+
+def test_an_input_is_prepared_once_when_the_server_prepared_it():
+    calls = []
+
+    class Owner:
+        def prepare(self, item):
+            calls.append(id(item))
+            return f"prepared {item}"
+
+    class Item:
+        pass
+
+    owner, a, b = Owner(), Item(), Item()
+    once = PrepareOnce(owner)
+    assert once.early(a) == f"prepared {a}" and once.pending() == 1
+    assert owner.prepare(a) == f"prepared {a}" and owner.prepare(b) == f"prepared {b}"
+    assert calls == [id(a), id(b)] and once.pending() == 0
+    once.early(b)
+    del b  # an item nobody asked for again: its result goes with it
+    assert once.pending() == 0
+
+
+# --- strokes ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, status, needle", [
+    ("[[[1" + "0" * 400 + ", 2]]]", 422, "at most 1e+09"),
+    ("[[[NaN, 2]]]", 422, "finite numbers"),
+    ("[[[Infinity, 2]]]", 422, "finite numbers"),
+    ("[[[1e400, 2]]]", 422, "at most 1e+09"),
+    ("[[[true, 2]]]", 422, "at most 1e+09"),
+    ("[" + "[[1, 2]]," * 2_000 + "[[1, 2]]]", 422, "1 to 2,000 strokes"),
+    ("[[" + "[1, 2]," * 100_000 + "[1, 2]]]", 413, "100,000 points"),
+])
+def test_hostile_strokes_are_refused(text, status, needle):
+    with pytest.raises(RequestError) as exc:
+        parse_strokes(text)
+    assert (exc.value.status, needle in exc.value.message) == (status, True), exc.value.message
+
+
+def test_a_drawing_at_full_javascript_precision_fits_the_documented_limits():
+    rng = np.random.default_rng(0)
+    # 2,000 strokes, 100,000 points, each coordinate with 17 significant digits (~40 characters a point)
+    strokes = [[[float(x), float(y)] for x, y in rng.random((50, 2)) * 600 + 0.123456789012345] for _ in range(2_000)]
+    text = json.dumps(strokes, separators=(",", ":"))  # as the page's JSON.stringify writes it
+    assert 3_500_000 < len(text) <= Limits().max_stroke_chars
+    out = parse_strokes(text)
+    assert len(out) == 2_000 and sum(map(len, out)) == 100_000 and out[0][0] == tuple(strokes[0][0])
+
+
+@pytest.fixture()
+def server():
+    limits = Limits(max_inflight=2, header_timeout_s=2.0, body_idle_timeout_s=3.0, body_grace_s=0.5,
+                    min_body_rate=2_000, max_stroke_chars=30_000)
+    with ServerThread(create_app(None, Echo(), limits, serve_page=False)) as srv:
+        yield srv
+
+
+def test_strokes_have_their_own_character_limit(server):
+    pad = json.dumps([[[123.45678901234567, 456.7890123456789]] * 600])  # 600 points at full precision: 24k
+    assert 20_000 < len(pad) < 30_000
+    s, b = post(server.url + "/api/recognize", fields={"strokes": pad})
+    assert s == 200, b
+    s, b = post(server.url + "/api/recognize", fields={"strokes": json.dumps([[[1.5, 2.5]] * 3_000])})
+    assert (s, b["error"]) == (413, "field_too_long") and "'strokes'" in b["detail"] and "30,000" in b["detail"]
+    s, b = post(server.url + "/api/recognize", fields={"strokes": "[[[1" + "0" * 400 + ", 2]]]"})
+    assert (s, b["error"]) == (422, "bad_input")
+
+
+# --- slow clients, HTTP versions ----------------------------------------------------------------------
+def _slow(url: str, n: int) -> list[socket.socket]:
+    host, port = url.split("//")[1].split(":")
+    head = (b"POST /api/recognize HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+            b"Content-Length: 100000\r\n\r\n-")
+    out = []
+    for _ in range(n):
+        s = socket.create_connection((host, int(port)), timeout=10)
+        s.sendall(head)
+        out.append(s)
+    return out
+
+
+def _answer(s: socket.socket) -> bytes:
+    got = b""
+    while True:
+        try:
+            part = s.recv(65536)
+        except (ConnectionResetError, TimeoutError):
+            break
+        if not part:
+            break
+        got += part
+    return got
+
+
+def test_slow_uploads_take_no_place_of_ready_requests_and_are_cut_by_the_minimum_rate(server):
+    slow = _slow(server.url, 6)  # three times max_inflight
+    try:
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        s, b = post(server.url + "/api/recognize", files={"image": ("a.png", png(), "image/png")})
+        assert s == 200 and time.monotonic() - t0 < 2.0, b
+        t0 = time.monotonic()
+        answers = [_answer(c) for c in slow]
+        assert time.monotonic() - t0 < 3.0  # grace 0.5 s + 1 byte / 2,000 bytes/s
+        for a in answers:
+            assert a.startswith(b"HTTP/1.1 408") and b"bytes/s" in a, a[:300]
+    finally:
+        for c in slow:
+            c.close()
+
+
+def test_busy_answers_carry_retry_after():
+    app = create_app(None, Echo(delay=1.0), Limits(max_inflight=1), max_batch=1, serve_page=False)
+    with ServerThread(app) as srv:
+        first = threading.Thread(target=post, args=(srv.url + "/api/recognize",),
+                                 kwargs={"files": {"image": ("a.png", png(), "image/png")}})
+        first.start()
+        time.sleep(0.4)
+        data, ctype = encode_multipart(files={"image": ("a.png", png(), "image/png")})
+        host, port = srv.url.split("//")[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as c:
+            c.sendall(f"POST /api/recognize HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+            answer = _answer(c)
+        first.join(10)
+    head = answer.split(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 503") and b"retry-after: 2" in head, answer[:400]
+
+
+@pytest.mark.parametrize("version", [b"HTTP/9.9", b"HTTP/2.0"])
+def test_http_versions_other_than_1_0_and_1_1_are_refused(server, version):
+    host, port = server.url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as c:
+        c.sendall(b"GET /health " + version + b"\r\nHost: x\r\n\r\n")
+        answer = _answer(c)
+    assert not answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert answer.split(b" ")[1] in (b"400", b"505"), answer[:200]

@@ -56,7 +56,7 @@ def test_train_evaluate_recognize_cli(tmp_path, capsys):
     img = str(tmp_path / "data" / "train" / "S" / "e0.png")
     assert main(["recognize", img, "--model", str(run), "--json", "--beam-size", "2", "--max-len", "6"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["image"] == img and isinstance(res["latex"], str) and len(res["tokens"]) <= 6
+    assert res["input"] == img and isinstance(res["text"], str) and len(res["tokens"]) <= 6
 
     # the compact (float16) export used for the packaged default model gives the same answer
     from tellkit.training.export import export_checkpoint
@@ -97,22 +97,22 @@ def test_packaged_default_model(capsys):
     a placeholder), trained on the InkML renders, float16 safetensors under 25 MB, that reads the
     project's own sample correctly from its pen strokes and from a bitmap of another scale."""
     from tellkit.bench.bttr import SAMPLE_LATEX
-    from tellkit.pipelines.recognition import SAMPLE_INKML, Recognizer
+    from tellkit.pipelines.recognition import SAMPLE_INKML, RecognitionPipeline
     from tellkit.recipes import PACKAGED_DEFAULTS
 
-    DEFAULT_CHECKPOINT = PACKAGED_DEFAULTS["math"]
+    DEFAULT_CHECKPOINT = PACKAGED_DEFAULTS["recognize"]
 
     assert (DEFAULT_CHECKPOINT / "model.safetensors").stat().st_size <= 25 * 2**20
     meta = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text(encoding="utf-8"))
     assert meta["family"] == "bttr" and meta["weights_dtype"] == "float16"
     assert meta["config"]["variant"] == "reference" and meta["data"]["layout"] == "inkml"
     assert meta["data"]["root"] is None and "placeholder" not in json.dumps(meta).lower()
-    rec = Recognizer.load()
-    assert sum(p.numel() for p in rec.model.parameters()) == 6_375_425
+    rec = RecognitionPipeline.load()
+    assert sum(p.numel() for p in rec.model.parameters()) == 6_375_425 == rec.info["parameters"]
     assert main(["recognize", str(SAMPLE_INKML), str(SAMPLE_PATH), "--json"]) == 0  # no --model: the packaged one
     out = capsys.readouterr().out
     results = [json.loads(line) for line in out.splitlines()]
-    assert [r["latex"] for r in results] == [SAMPLE_LATEX, SAMPLE_LATEX]
+    assert [r["text"] for r in results] == [SAMPLE_LATEX, SAMPLE_LATEX]
 
 
 def _png_header_only(path, width, height):
@@ -134,9 +134,18 @@ def test_recognize_refuses_a_decompression_bomb_and_a_folder(tmp_path, capsys):
     assert main(["recognize", str(bomb)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pixels" in err[0]
-    assert main(["recognize", str(tmp_path)]) == 2
+    assert main(["recognize", str(tmp_path / "*.inkml")]) == 2  # a pattern without matches
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "folder" in err[0]
+    assert len(err) == 1 and "no file matches" in err[0]
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("no images here")
+    assert main(["recognize", str(tmp_path / "notes")]) == 2  # a folder without images or InkML files
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no images or InkML files in this folder" in err[0]
+    import tellkit
+
+    with pytest.raises(tellkit.TellkitError, match="is a folder"):  # the Python API takes files
+        tellkit.pipeline("recognize")(str(tmp_path))
 
 
 def test_recognize_reads_the_packaged_inkml_sample(capsys):
@@ -150,14 +159,14 @@ def test_recognize_reads_at_another_stroke_size(tmp_path, capsys):
     """--stroke-size replaces the checkpoint's reading size for InkML and bitmaps alike; bad values
     and models trained on bitmaps get a one-line error."""
     from tellkit.models.bttr import BTTR, BTTRConfig
-    from tellkit.pipelines.recognition import SAMPLE_INKML, SAMPLE_LATEX, Recognizer
+    from tellkit.pipelines.recognition import SAMPLE_INKML, SAMPLE_LATEX, RecognitionPipeline
 
-    stored = Recognizer.load()
-    assert stored.data.render["stroke_size"] == 22
-    small = Recognizer.load(stroke_size=11)
+    stored = RecognitionPipeline.load()
+    assert stored.processor.data.render["stroke_size"] == 22
+    small = RecognitionPipeline.load(stroke_size=11)
     for item in (SAMPLE_INKML, SAMPLE_PATH):
-        h, w = stored.prepare(item).shape[-2:]
-        h2, w2 = small.prepare(item).shape[-2:]
+        h, w = stored.processor.prepare(item).shape[-2:]
+        h2, w2 = small.processor.prepare(item).shape[-2:]
         # half the stroke size: about half the ink (the margin and the pen do not scale)
         assert 1.4 < w / w2 < 2.4 and 1.4 < h / h2 < 2.4, (item, (h, w), (h2, w2))
     assert main(["recognize", str(SAMPLE_INKML), "--stroke-size", "16"]) == 0
@@ -181,9 +190,10 @@ def test_evaluate_reads_bitmaps_with_a_model_trained_with_pen_stroke_augmentatio
     on a bitmap test set must not trip over that training-only setting."""
     from tellkit.recipes import PACKAGED_DEFAULTS
 
-    assert json.loads((PACKAGED_DEFAULTS["math"] / "config.json").read_text())["data"]["augment"]["substitute"] > 0
+    default = PACKAGED_DEFAULTS["recognize"]
+    assert json.loads((default / "config.json").read_text())["data"]["augment"]["substitute"] > 0
     _dataset(tmp_path / "data")
-    assert main(["evaluate", str(PACKAGED_DEFAULTS["math"]), "--data", str(tmp_path / "data"), "data.layout=tsv",
+    assert main(["evaluate", str(default), "--data", str(tmp_path / "data"), "data.layout=tsv",
                  "data.bitmap_fit=true", "data.test=train", "data.limit={}", "eval.beam_size=2", "eval.max_len=8",
                  "--device", "cpu", "--no-progress", "--out", str(tmp_path / "ev")]) == 0
     assert json.loads(capsys.readouterr().out)["n"] == len(LABELS)

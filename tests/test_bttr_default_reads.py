@@ -12,9 +12,9 @@ N = 60  # a seeded sample of the 986 (data.limit), about 30 s on two CPU threads
 
 @pytest.mark.data
 def test_packaged_bttr_reads_a_third_of_crohme_2014_test_at_its_stored_size(shared_data, tmp_path):
-    stored = checkpoint_recipe(PACKAGED_DEFAULTS["math"])["data"]["render"]
+    stored = checkpoint_recipe(PACKAGED_DEFAULTS["recognize"])["data"]["render"]
     assert stored["stroke_size"] > 16  # it reads larger than its 16 px training renders (docs/bttr.md)
-    res = evaluate_checkpoint(PACKAGED_DEFAULTS["math"], "test", data=str(shared_data / "crohme_inkml"),
+    res = evaluate_checkpoint(PACKAGED_DEFAULTS["recognize"], "test", data=str(shared_data / "crohme_inkml"),
                               overrides={"data": {"limit": {"test": N}}}, out=tmp_path, device="cpu", progress=False)
     assert len(res.predictions) == N
     at_stored = res.metrics["exprate"]

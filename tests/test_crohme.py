@@ -90,12 +90,12 @@ def test_image_augment_keeps_size_and_moves_ink():
     from unittest import mock
 
     from tellkit.data.crohme import CrohmeDataset, Expression, ImageAugment
-    from tellkit.data.recognition import augmenter, check
+    from tellkit.data.recognition import RecognitionDataConfig, augmenter, check
     from tellkit.errors import TellkitError
-    from tellkit.recipes import RecognitionData, section
+    from tellkit.recipes import section
 
     def data_section(d):  # the recognition task reads its data section so
-        return check(section({"data": d}, "data", RecognitionData))
+        return check(section({"data": d}, "data", RecognitionDataConfig))
 
     img = torch.zeros(1, 64, 200)
     img[0, 28:36, 20:180] = 1

@@ -16,13 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tellkit.recipes import (
-    MAX_BEAM_SIZE,
-    MAX_GENERATION_LEN,
-    CaptionGeneration,
-    RecognitionGeneration,
-    SummaryGeneration,
-)
+from tellkit.recipes import MAX_BEAM_SIZE, MAX_GENERATION_LEN
+from tellkit.tasks.captioning import CaptionGeneration
+from tellkit.tasks.recognition import RecognitionGeneration
+from tellkit.tasks.summarization import SummaryGeneration
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 from cli_checks import one_line_error as _one_line_error  # noqa: E402

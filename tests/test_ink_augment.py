@@ -9,9 +9,9 @@ import torch
 from tellkit.data.crohme import CrohmeDataset, Expression
 from tellkit.data.ink_augment import InkAugment, InkAugmenter, build_bank, fit_to_box, load_inks
 from tellkit.data.inkml import InkRenderer, RenderConfig, parse_inkml, read_inkml, render_strokes
-from tellkit.data.recognition import augmenter, check, ink_augmenter
+from tellkit.data.recognition import RecognitionDataConfig, augmenter, check, ink_augmenter
 from tellkit.errors import TellkitError
-from tellkit.recipes import RecognitionData, section
+from tellkit.recipes import section
 
 NS = "http://www.w3.org/2003/InkML"
 
@@ -35,7 +35,7 @@ WRITER_C = {
 
 def data_section(d):
     """A recognition recipe's data section, read as the task reads it."""
-    return check(section({"data": d}, "data", RecognitionData))
+    return check(section({"data": d}, "data", RecognitionDataConfig))
 
 
 def inkml_file(symbols, writer, truth="x+1", segmented=True, extra_group=""):

@@ -196,7 +196,7 @@ def test_inkml_split_and_recognize_cli(tmp_path, capsys):
     capsys.readouterr()
     assert main(["recognize", str(root / "test" / "2014" / "e0.inkml"), "--model", str(ck), "--json"]) == 0
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert line["image"].endswith("e0.inkml") and isinstance(line["tokens"], list)
+    assert line["input"].endswith("e0.inkml") and isinstance(line["tokens"], list)
     assert main(["recognize", str(root / "test"), "--model", str(ck)]) == 2  # a folder: one-line error
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "folder" in err[0]
@@ -320,11 +320,12 @@ def test_bitmaps_for_an_inkml_model_come_to_the_render_scale():
     brought back to about the size, pen width and margin the renderer gives the strokes; a
     bitmap-trained model's scaling is unchanged."""
     from tellkit.data.crohme import pen_width
-    from tellkit.pipelines.recognition import SAMPLE_INKML, Recognizer
-    from tellkit.registry import create_model
+    from tellkit.data.recognition import RecognitionDataConfig
+    from tellkit.pipelines.recognition import SAMPLE_INKML
+    from tellkit.tasks.recognition import RecognitionProcessor
 
     data = {"layout": "inkml", "render": {"stroke_size": 16, "line_width": 2.0, "margin": 4}}
-    rec = Recognizer(create_model("bttr/tiny"), data, {})
+    rec = RecognitionProcessor(RecognitionDataConfig(**data))
     direct = rec.prepare(SAMPLE_INKML)
     big = render_strokes(read_inkml(SAMPLE_INKML).strokes, RenderConfig(stroke_size=16 * 2.6, line_width=2.0))
     scaled = rec.prepare(big)
@@ -338,7 +339,7 @@ def test_bitmaps_for_an_inkml_model_come_to_the_render_scale():
     assert y1 >= 4 and x1 >= 4  # the renderer's margin
     # the 2 px pen of the large image would be under 1 px at this scale: it is widened first
     assert pen_width(scaled[0].numpy()) >= 0.8 * pen_width(direct[0].numpy())
-    plain = Recognizer(create_model("bttr/tiny"), {"layout": "tsv", "scale": 1.0}, {})
+    plain = RecognitionProcessor(RecognitionDataConfig(layout="tsv", scale=1.0))
     assert ink_box(plain.prepare(big))[2] > 2 * h0  # bitmap-trained: no change of scale
 
 
@@ -346,18 +347,18 @@ def test_evaluate_on_bitmaps_prepares_them_as_recognize_does(tmp_path):
     """data.bitmap_fit=true: a bitmap test set is read the way `tellkit recognize` reads bitmaps
     for a model trained on InkML renders."""
     from tellkit.data.crohme import CrohmeDataset, Expression
-    from tellkit.data.recognition import bitmap_kwargs, check
-    from tellkit.pipelines.recognition import SAMPLE_INKML, Recognizer
-    from tellkit.recipes import RecognitionData, section
-    from tellkit.registry import create_model
+    from tellkit.data.recognition import RecognitionDataConfig, bitmap_kwargs, check
+    from tellkit.pipelines.recognition import SAMPLE_INKML
+    from tellkit.recipes import section
+    from tellkit.tasks.recognition import RecognitionProcessor
 
     def data_section(d):  # the recognition task reads its data section so
-        return check(section({"data": d}, "data", RecognitionData))
+        return check(section({"data": d}, "data", RecognitionDataConfig))
 
     render = {"stroke_size": 16, "line_width": 2.0}
     png = tmp_path / "big.png"
     render_strokes(read_inkml(SAMPLE_INKML).strokes, RenderConfig(stroke_size=40, line_width=1.5)).save(png)
-    rec = Recognizer(create_model("bttr/tiny"), {"layout": "inkml", "render": render}, {})
+    rec = RecognitionProcessor(data_section({"layout": "inkml", "render": render}))
     d = data_section({"layout": "tsv", "bitmap_fit": True, "render": render})
     ds = CrohmeDataset([Expression("big", png, ["x"])], bitmap=bitmap_kwargs(d))
     assert torch.equal(ds.image(0), rec.prepare(png))

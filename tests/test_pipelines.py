@@ -15,7 +15,7 @@ from tellkit.encoders.bundle import EncoderBundle
 from tellkit.encoders.preprocess import ImageNetTransform
 from tellkit.errors import TellkitError
 from tellkit.pipelines import captioning as P
-from tellkit.recipes import GenerationConfig
+from tellkit.tasks.captioning import CaptionGeneration, CaptionProcessor
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "tellkit"
 DEMO = SRC / "assets" / "demo_caption"
@@ -99,9 +99,9 @@ def test_the_context_policy_reaches_the_article_builder_and_the_cache_identity()
 
 
 def test_generation_config_is_read_once_and_overridden_by_flags():
-    gen = GenerationConfig.from_section({"beam_size": 3, "max_len": 9, "metrics": ["bleu"], "ner": False})
-    assert gen == GenerationConfig(max_len=9, beam_size=3)
-    assert gen.updated(beam_size=None, max_len=4) == GenerationConfig(max_len=4, beam_size=3)
+    gen = CaptionGeneration.from_section({"beam_size": 3, "max_len": 9, "metrics": ["bleu"], "ner": False})
+    assert gen == CaptionGeneration(max_len=9, beam_size=3)
+    assert gen.updated(beam_size=None, max_len=4) == CaptionGeneration(max_len=4, beam_size=3)
     with pytest.raises(TellkitError, match="max_len"):
         gen.updated(max_len=0)
     with pytest.raises(TellkitError, match="unknown setting"):
@@ -115,15 +115,15 @@ def test_pipeline_uses_the_checkpoint_generation_settings(tmp_path, monkeypatch)
                                                   "data": {"context": "none"}})
     made = []
 
-    def fake(recipe, cfg, dev):
+    def fake(recipe, contexts, **kw):
         made.append(recipe["data"]["context"])
-        return FakeBundle(recipe.get("encoders"), cfg.contexts)
+        return FakeBundle(recipe.get("encoders"), contexts)
 
-    monkeypatch.setattr(P, "_bundle", fake)
+    monkeypatch.setattr(CaptionProcessor, "recipe_bundle", staticmethod(fake))
     cap = P.CaptioningPipeline.load(tmp_path / "ck")
-    assert cap.generation == GenerationConfig(max_len=5, beam_size=3) and made == ["none"]
+    assert cap.generation == CaptionGeneration(max_len=5, beam_size=3) and made == ["none"]
     assert P.CaptioningPipeline.load(tmp_path / "ck", beam_size=1).generation.beam_size == 1
-    res = cap.caption([(Image.new("RGB", (40, 30), "red"), "ignored")])[0]
+    res = cap((Image.new("RGB", (40, 30), "red"), "ignored"))
     assert len(res["tokens"]) <= 5 and (res["grid"]["rows"], res["grid"]["cols"]) == (2, 2)
     assert "objects" not in res and res["article_tokens"] == [] and res["faces"] == []
 
@@ -136,8 +136,8 @@ def test_a_model_that_reads_objects_says_the_set_is_empty():
     """No object detector ships: a new image gets an empty objects context, and the result and
     the model info say so."""
     model = tiny(["image", "objects"], object_dim=2048)
-    cap = P.CaptioningPipeline(model, FakeBundle(None, ("image", "objects")))
-    res = cap.caption([(Image.new("RGB", (32, 32), "blue"), ""), (Image.new("RGB", (32, 32)), "")])
+    cap = P.CaptioningPipeline(model, CaptionProcessor(FakeBundle(None, ("image", "objects"))))
+    res = cap([Image.new("RGB", (32, 32), "blue"), Image.new("RGB", (32, 32))])
     for r in res:
         assert r["objects"]["count"] == 0 and r["objects"]["source"] == "none"
         assert "no object detector" in r["objects"]["note"] and r["tokens"]
@@ -151,7 +151,7 @@ def test_the_api_and_page_say_the_objects_set_is_empty():
     from tellkit.server.app import create_app
 
     model = tiny(["image", "objects"], object_dim=2048)
-    cap = P.CaptioningPipeline(model, FakeBundle(None, ("image", "objects")))
+    cap = P.CaptioningPipeline(model, CaptionProcessor(FakeBundle(None, ("image", "objects"))))
     buf = io.BytesIO()
     Image.new("RGB", (32, 32), "blue").save(buf, "PNG")
     with TestClient(create_app(cap, None)) as c:
@@ -165,9 +165,9 @@ def test_the_api_and_page_say_the_objects_set_is_empty():
 
 def test_the_bundle_must_give_the_model_contexts():
     with pytest.raises(TellkitError, match="does not give the model's context"):
-        P.CaptioningPipeline(tiny(["image", "faces"]), FakeBundle(None, ("image",)))
+        P.CaptioningPipeline(tiny(["image", "faces"]), CaptionProcessor(FakeBundle(None, ("image",))))
     with pytest.raises(TellkitError, match="image_dim=12"):
-        P.CaptioningPipeline(tiny(["image"], image_dim=12), FakeBundle(None, ("image",)))
+        P.CaptioningPipeline(tiny(["image"], image_dim=12), CaptionProcessor(FakeBundle(None, ("image",))))
 
 
 def test_article_input_splits_paragraphs():
@@ -182,13 +182,13 @@ def test_caption_json_reports_the_empty_objects_context(tmp_path, capsys):
 
     model = tiny(["image", "objects"], image_dim=1280, object_dim=2048)
     model.save_pretrained(tmp_path / "ck", extra={"task": "captioning", "encoders": {"image": "mobilenet_v2"}})
-    assert main(["caption", "--image", str(DEMO / "coffee.jpg"), "--checkpoint", str(tmp_path / "ck"), "--json"]) == 0
+    assert main(["caption", str(DEMO / "coffee.jpg"), "--model", str(tmp_path / "ck"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["objects"]["count"] == 0 and "no object detector" in out["objects"]["note"]
     assert "no object detector" in out["model"]["objects"]
-    assert main(["caption", "--image", str(DEMO / "coffee.jpg"), "--checkpoint", str(tmp_path / "ck")]) == 0
+    assert main(["caption", str(DEMO / "coffee.jpg"), "--model", str(tmp_path / "ck")]) == 0
     printed = capsys.readouterr()
-    assert printed.out.strip() == out["caption"] and "no object detector" in printed.err
+    assert printed.out.strip() == out["text"] and "no object detector" in printed.err
 
 
 def test_faces_of_a_large_photo_are_detected_on_a_bounded_copy():

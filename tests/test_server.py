@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from tellkit.decoding.runaway import stopping_runaways  # noqa: E402
 from tellkit.errors import TellkitError  # noqa: E402
 from tellkit.server.app import create_app  # noqa: E402
-from tellkit.server.backends import BTTRMathRecognizer, ImageCaptioner  # noqa: E402
+from tellkit.server.backends import CaptioningPipeline, RecognitionPipeline  # noqa: E402
 from tellkit.server.limits import Limits  # noqa: E402
 from tellkit.server.runner import ServerThread, free_port, post  # noqa: E402
 
@@ -53,7 +53,7 @@ def expression_png() -> bytes:
 
 @pytest.fixture(scope="module")
 def backends():
-    return ImageCaptioner.untrained(), BTTRMathRecognizer.untrained()
+    return CaptioningPipeline.untrained(), RecognitionPipeline.untrained()
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_recognize_strokes_uses_the_inkml_renderer(client, backends, tmp_path):
     f = tmp_path / "e.inkml"
     f.write_text(f'<ink xmlns="http://www.w3.org/2003/InkML">{traces}</ink>')
     with stopping_runaways():  # as the server's worker does: the tiny random model's output runs away
-        want = backends[1].recognize([f])[0]
+        want = backends[1](f)
     assert r.json()["tokens"] == want["tokens"] and r.json()["resized_from"] is None
 
 
@@ -241,12 +241,14 @@ class SlowEcho:
         self.delay, self.calls = delay, []
         self.info = {"name": "slow-echo", "trained": False, "checkpoint": None}
 
-    def recognize(self, images):
+    task = "recognize"
+
+    def __call__(self, images):
         self.calls.append(len(images))
         time.sleep(self.delay)
         if any(im.width == 77 for im in images):
             raise TellkitError("an image 77 pixels wide is refused by this test backend")
-        return [{"latex": f"w {im.width}", "tokens": ["w", str(im.width)], "score": 0.0} for im in images]
+        return [{"text": f"w {im.width}", "tokens": ["w", str(im.width)], "score": 0.0} for im in images]
 
 
 def _concurrently(fn, n):
@@ -300,12 +302,13 @@ def test_timeout_is_504_and_queue_full_is_503():
 # --- checkpoints: only the configured ones; trained or not is reported -----------------------------
 def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch):
     from tellkit.checkpoint import save_model
-    from tellkit.pipelines import captioning as P
+    from tellkit.tasks.captioning import CaptionProcessor
 
     cap, _ = backends
     save_model(cap.model, tmp_path / "tat", extra={"task": "captioning", "train": {"lr": 1e-3}})
-    monkeypatch.setattr(P, "_bundle", lambda *a: cap.bundle)  # reuse the loaded encoders
-    loaded = ImageCaptioner.load(tmp_path / "tat")
+    # reuse the loaded encoders
+    monkeypatch.setattr(CaptionProcessor, "recipe_bundle", staticmethod(lambda *a, **kw: cap.processor.bundle))
+    loaded = CaptioningPipeline.load(tmp_path / "tat")
     assert loaded.info["trained"] is True and loaded.info["checkpoint"] == str(tmp_path / "tat")
     assert all(torch.equal(a, b) for a, b in zip(loaded.model.state_dict().values(), cap.model.state_dict().values()))
 
@@ -314,7 +317,7 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
     save_model(cap.model, step, extra={"task": "captioning", "train": {"lr": 1e-3}})
     (step / "trainer_state.json").write_text(json.dumps({"step": 7, "best": 3.5, "best_step": 7}))
     os.symlink("step_00000007", tmp_path / "run" / "checkpoints" / "best")
-    run = ImageCaptioner.load(tmp_path / "run")
+    run = CaptioningPipeline.load(tmp_path / "run")
     assert run.info["checkpoint"].endswith("checkpoints/best") and run.info["train_steps"] == 7
 
     from tellkit.registry import create_model
@@ -322,14 +325,16 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
     bad = create_model("tat/tiny", image_dim=16, article_dim=384, article_layers=7, contexts=["image", "article"])
     save_model(bad, tmp_path / "bad")
     with pytest.raises(TellkitError, match="image_dim=16"):
-        ImageCaptioner.load(tmp_path / "bad")
+        CaptioningPipeline.load(tmp_path / "bad")
 
     bttr = create_model("bttr/tiny")
     save_model(bttr, tmp_path / "bttr")
-    rec = BTTRMathRecognizer.load(tmp_path / "bttr")
+    rec = RecognitionPipeline.load(tmp_path / "bttr")
     assert rec.info["trained"] is False and rec.info["checkpoint"] == str(tmp_path / "bttr")
-    with pytest.raises(TellkitError, match="holds a 'bttr' model, not a captioner"):
-        ImageCaptioner.load(tmp_path / "bttr")
+    with pytest.raises(TellkitError, match="holds a 'bttr' model, not one for 'caption'"):
+        CaptioningPipeline.load(tmp_path / "bttr")
+    with pytest.raises(TellkitError, match="the caption endpoint serves a 'caption' model, not a 'recognize' one"):
+        create_app(rec, None, serve_page=False)
 
 
 def test_request_cannot_choose_a_checkpoint(client):
@@ -367,7 +372,7 @@ def test_cli_plan_checkpoints_defaults_and_untrained(tmp_path, monkeypatch):
         return p.parse_args(list(argv))
 
     monkeypatch.setitem(recipes.PACKAGED_DEFAULTS, "caption", tmp_path / "no_caption_default")
-    monkeypatch.setitem(recipes.PACKAGED_DEFAULTS, "math", tmp_path / "math_default")
+    monkeypatch.setitem(recipes.PACKAGED_DEFAULTS, "recognize", tmp_path / "math_default")
     (tmp_path / "math_default").mkdir()
     (tmp_path / "math_default" / "model.safetensors").write_bytes(b"")
     with pytest.raises(TellkitError, match="no caption checkpoint"):
@@ -445,16 +450,16 @@ def test_admitted_requests_are_bounded():
 
 
 def test_article_context_is_built_as_in_training(backends):
-    from tellkit.server.backends import article_sample
+    from tellkit.server.backends import article_input
 
-    assert article_sample("Title line\n\nFirst  para\ncontinues.\n\n\nSecond.").paragraphs == \
+    assert article_input("Title line\n\nFirst  para\ncontinues.\n\n\nSecond.").paragraphs == \
         ["Title line", "First  para\ncontinues.", "Second."]
-    assert article_sample("one\ntwo\n\n").paragraphs == ["one", "two"]
-    assert article_sample("   ").paragraphs == []
+    assert article_input("one\ntwo\n\n").paragraphs == ["one", "two"]
+    assert article_input("   ").paragraphs == []
     cap, _ = backends
     long = "\n\n".join(f"Paragraph {i} tells of the harbour, the mayor and the storm." for i in range(80))
     im = Image.open(io.BytesIO(png())).convert("RGB")
-    res = cap.caption([(im, long), (im, "")])
+    res = cap([(im, long), (im, "")])
     read, empty = res[0], res[1]
     # cut to the encoder's budget (512 tokens with [CLS]/[SEP]) at a paragraph/word boundary
     assert len(read["article_tokens"]) <= 512 and read["article_tokens"][-1]["text"] == "[SEP]"
@@ -473,10 +478,10 @@ def test_batched_caption_equals_caption_alone(backends):
     face = load_image(os.path.join(demo, "astronaut.jpg"))
     cat = load_image(os.path.join(demo, "chelsea.jpg"))
     article = open(os.path.join(demo, "astronaut.txt"), encoding="utf-8").read()
-    alone = cap.caption([(cat, "A cat.")])[0]
-    together = cap.caption([(face, article), (cat, "A cat.")])
+    alone = cap((cat, "A cat."))
+    together = cap([(face, article), (cat, "A cat.")])
     assert len(together[0]["faces"]) == 1 and together[1]["faces"] == []
-    assert together[1]["caption"] == alone["caption"]
+    assert together[1]["text"] == alone["text"]
     for a, b in zip(alone["tokens"], together[1]["tokens"]):
         for name in ("image", "article"):
             assert np.allclose(a["attention"][name], b["attention"][name], atol=1e-4)

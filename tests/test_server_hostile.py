@@ -25,22 +25,24 @@ class StubCaptioner:
     """Echoes the article and the image size; ``delay`` seconds per batch."""
 
     info = {"name": "stub-caption", "trained": False, "checkpoint": None}
+    task = "caption"
 
     def __init__(self, delay=0.0):
         self.delay = delay
 
-    def caption(self, items):
+    def __call__(self, items):
         time.sleep(self.delay)
-        return [{"caption": f"{im.width}x{im.height}", "tokens": [], "score": 0.0, "image_size": [im.width, im.height],
+        return [{"text": f"{im.width}x{im.height}", "tokens": [], "score": 0.0, "image_size": [im.width, im.height],
                  "grid": {"rows": 1, "cols": 1, "box": [0, 0, im.width, im.height]}, "faces": [],
                  "article_text": text, "article_tokens": []} for im, text in items]
 
 
 class StubRecognizer:
     info = {"name": "stub-math", "trained": False, "checkpoint": None}
+    task = "recognize"
 
-    def recognize(self, images):
-        return [{"latex": f"w {im.width}", "tokens": ["w", str(im.width)], "score": 0.0} for im in images]
+    def __call__(self, images):
+        return [{"text": f"w {im.width}", "tokens": ["w", str(im.width)], "score": 0.0} for im in images]
 
 
 def png(w=64, h=48) -> bytes:

@@ -28,18 +28,20 @@ from tellkit.server.runner import serve
 
 class Caption:
     info = {"name": "stub-caption", "trained": False, "checkpoint": None}
+    task = "caption"
 
-    def caption(self, items):
-        return [{"caption": "x", "tokens": [], "score": 0.0, "image_size": list(im.size),
+    def __call__(self, items):
+        return [{"text": "x", "tokens": [], "score": 0.0, "image_size": list(im.size),
                  "grid": {"rows": 1, "cols": 1, "box": [0, 0, *im.size]}, "faces": [], "article_text": t,
                  "article_tokens": []} for im, t in items]
 
 
 class Math:
     info = {"name": "stub-math", "trained": False, "checkpoint": None}
+    task = "recognize"
 
-    def recognize(self, images):
-        return [{"latex": "x", "tokens": ["x"], "score": 0.0} for _ in images]
+    def __call__(self, images):
+        return [{"text": "x", "tokens": ["x"], "score": 0.0} for _ in images]
 
 
 serve(create_app(Caption(), Math(), Limits(), serve_page=False), "127.0.0.1", int(sys.argv[1]), log_level="warning")

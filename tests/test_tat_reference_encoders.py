@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.config import deep_merge, load_yaml
-from tellkit.encoders.bundle import EncoderBundle
+from tellkit.encoders.bundle import EncoderBundle, EncodersConfig
 from tellkit.encoders.image import ImageEncoder
 from tellkit.errors import TellkitError
-from tellkit.recipes import EncodersConfig, section
+from tellkit.recipes import section
 
 torch.set_num_threads(1)
 

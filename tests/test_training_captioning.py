@@ -224,8 +224,7 @@ def test_training_captions_keep_up_to_max_caption_tokens(tmp_path):
     """Captions are cut at data.max_caption_tokens (510 by default, as the reference's caption
     indexer), not at the model's generation length; the decoder (positions from 2) takes them."""
     from tellkit.data.sample import CaptionSample
-    from tellkit.recipes import CaptionDataConfig
-    from tellkit.tasks.captioning import CaptionDataset
+    from tellkit.tasks.captioning import CaptionDataConfig, CaptionDataset
 
     assert CaptionDataConfig().max_caption_tokens == 510
     r = recipe(tmp_path)

@@ -51,10 +51,10 @@ def browser():
 @pytest.fixture(scope="module")
 def server():
     from tellkit.server.app import create_app
-    from tellkit.server.backends import BTTRMathRecognizer, ImageCaptioner
+    from tellkit.server.backends import CaptioningPipeline, RecognitionPipeline
     from tellkit.server.runner import ServerThread
 
-    app = create_app(ImageCaptioner.untrained(), BTTRMathRecognizer.untrained())
+    app = create_app(CaptioningPipeline.untrained(), RecognitionPipeline.untrained())
     with ServerThread(app) as srv:
         yield srv
 

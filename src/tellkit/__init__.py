@@ -1,16 +1,30 @@
 """tellkit: transformers that write text from images in context.
 
     import tellkit
-    model = tellkit.create_model("tat/tiny", dropout=0.0)   # any registered family or YAML recipe
+    tellkit.pipeline("caption")("photo.jpg")["text"]          # the packaged default captioner
+    tellkit.pipeline("recognize")("formula.png")["text"]      # handwritten math -> LaTeX
+    model = tellkit.create_model("tat/tiny", dropout=0.0)     # any registered family or YAML recipe
     model.save_pretrained("ckpt"); model = tellkit.load_model("ckpt")
 """
 from __future__ import annotations
 
 from tellkit._version import __version__
 
-__all__ = ["__version__", "create_model", "load_model", "list_models", "TellkitError"]
+__all__ = ["__version__", "pipeline", "create_model", "load_model", "list_models", "TellkitError"]
 
 from tellkit.errors import TellkitError
+
+
+def pipeline(task, model=None, device=None, dtype=None, **options):
+    """A ready-to-call inference pipeline: ``task`` is "caption", "recognize" or "summarize" (the
+    commands' names); ``model`` a checkpoint or run folder (None: the packaged default);
+    ``device`` cpu (default) or cuda; ``dtype`` "bf16" or "fp32"; ``options``: generation
+    settings (``beam_size=3``, ...) and the task's input options. Called with one input (a path,
+    a PIL image, an array, pen strokes, a transcript) it answers ``{"text": ..., extras}``; with
+    a list, a list."""
+    from tellkit.pipelines import pipeline as _pipeline  # heavy
+
+    return _pipeline(task, model, device=device, dtype=dtype, **options)
 
 
 def create_model(name_or_config, **overrides):

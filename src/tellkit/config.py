@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 import os
 import typing
@@ -32,19 +33,36 @@ MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB
 CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 
 
+def recipe_names() -> list[str]:
+    """The packaged recipes by name (``bttr/crohme``), sorted."""
+    return sorted(p.relative_to(CONFIG_ROOT).with_suffix("").as_posix() for p in CONFIG_ROOT.rglob("*.yaml"))
+
+
 def resolve_config_path(name: str | os.PathLike) -> Path:
-    """Find a YAML file given a path, or a name relative to the project's ``configs/``."""
+    """Find a YAML recipe given a path or a packaged recipe's name (``bttr/crohme``, with or
+    without ``.yaml``). A path that does not exist here and starts with ``configs/`` names the
+    packaged recipe (the checkout's ``configs/`` is the package's), so the same command works
+    from any folder. Not found: a one-line error naming the nearest packaged recipes."""
     p = Path(name)
     candidates = [p]
     if not p.suffix:
         candidates.append(p.with_suffix(".yaml"))
-    candidates += [CONFIG_ROOT / c for c in list(candidates)]
-    for c in candidates:
+    packaged = [CONFIG_ROOT / c for c in candidates]
+    if p.parts[:1] == ("configs",):
+        packaged += [CONFIG_ROOT / Path(*c.parts[1:]) for c in candidates if len(c.parts) > 1]
+    for c in candidates + packaged:
         if c.is_file():
             return c
     if p.is_dir():
         raise TellkitError(f"{name}: is a directory, expected a YAML config file")
-    raise TellkitError(f"config not found: {name}")
+    key = Path(*p.parts[1:]) if p.parts[:1] == ("configs",) and len(p.parts) > 1 else p
+    key_text = (key.with_suffix("") if key.suffix in (".yaml", ".yml") else key).as_posix()
+    names = recipe_names()
+    near = difflib.get_close_matches(key_text, names, n=3, cutoff=0.5)
+    if not near:  # same file name in another family's folder, or same folder
+        near = [n for n in names if n.rsplit("/", 1)[-1] == key.stem or n.split("/")[0] == key_text.split("/")[0]][:3]
+    hint = f"; nearest packaged recipes: {', '.join(near)}" if near else ""
+    raise TellkitError(f"config not found: {name}{hint}")
 
 
 # The top-level sections a run recipe may have (``base:`` is resolved while loading). A new

@@ -1,32 +1,43 @@
-"""Run recipes, read in one place: the layer under everything that reads a recipe.
+"""Run recipes: the shared mechanism under everything that reads one.
 
 A recipe (``configs/**.yaml``, or the sections a checkpoint's ``config.json`` keeps) has the
-sections ``task``, ``model``, ``data``, ``train``, ``eval``, ``encoders`` (and ``row`` for
-``tellkit table``). Every typed section is a dataclass defined here, read with
-:func:`section` (one error text for a section that is not a mapping; an unknown key is an
-error, see :func:`tellkit.config.from_dict`)::
+sections ``task``, ``model``, ``data``, ``train``, ``eval``, ``encoders`` (and ``scst``, and
+``row`` for ``tellkit table``). Every typed section is a dataclass read with :func:`section`
+(one error text for a section that is not a mapping; an unknown key is an error, see
+:func:`tellkit.config.from_dict`). A section lives with the code that gives it its meaning, and
+every class is named ``<Task><Section>Config`` (a generation config ``<Task>Generation``):
+
+    ====================  ========================================================================
+    here                  :class:`TrainConfig` (``train:``), :class:`SelfCriticalConfig` (``scst:``),
+                          :class:`GenerationSettings` (what every generation config shares)
+    tellkit.tasks.*       CaptionDataConfig, CaptionEvalConfig, CaptionGeneration (captioning);
+                          RecognitionEvalConfig, RecognitionGeneration (recognition);
+                          SummaryDataConfig, SummaryEvalConfig, SummaryGeneration (summarization)
+    tellkit.data          RecognitionDataConfig (``data/recognition.py``: renderer, bitmaps)
+    tellkit.encoders      EncodersConfig (``encoders/bundle.py``: the frozen captioning encoders)
+    ====================  ========================================================================
+
+::
 
     data = section(recipe, "data", CaptionDataConfig)
     gen = section(recipe, "eval", CaptionEvalConfig).generation.updated(beam_size=args.beam_size)
     out = model.generate(batch, **gen.kwargs())
 
-Each model family has ONE generation config (like Hugging Face's ``GenerationConfig``), all of
-one shape (:class:`GenerationSettings`: ``from_section``, ``updated``, ``kwargs``):
-:class:`CaptionGeneration` (Transform and Tell and the captioning baselines),
-:class:`RecognitionGeneration` (BTTR) and :class:`SummaryGeneration` (VG-BART / VG-T5, seq2seq).
-A family's ``eval`` section is its generation config plus how predictions are scored.
+Each task has ONE generation config (like Hugging Face's ``GenerationConfig``), all of one shape
+(:class:`GenerationSettings`: ``from_section``, ``updated``, ``kwargs``, the search caps); a
+task's ``eval`` section is its generation config plus how predictions are scored.
 
-Also owned here: the values a recipe may name (data formats, context modes, the packaged
-encoders), the packaged default models (:func:`packaged_default`) and the checkpoint
-metadata keys a recipe section may not use (:data:`RESERVED_CHECKPOINT_KEYS`). This module
-imports only :mod:`tellkit.config` and :mod:`tellkit.errors`.
+Also owned here: the values a recipe may name that several layers read (data formats, context
+modes, the packaged encoders), the packaged default models (:func:`packaged_default`) and the
+checkpoint metadata keys a recipe section may not use (:data:`RESERVED_CHECKPOINT_KEYS`). This
+module imports only :mod:`tellkit.config` and :mod:`tellkit.errors`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -42,16 +53,17 @@ RESERVED_CHECKPOINT_KEYS = ("format_version", "family", "config", "tellkit_versi
 
 # --- the packaged default models ------------------------------------------------------------------
 ASSETS = Path(__file__).resolve().parent / "assets"
-# the default model of each kind (`tellkit caption` / `recognize` / `demo` / `serve` without a checkpoint)
-PACKAGED_DEFAULTS: dict[str, Path] = {"caption": ASSETS / "default_caption", "math": ASSETS / "bttr_default"}
+# the default model of each pipeline task, named by its command (`tellkit caption`, `tellkit recognize`;
+# also `demo`, `serve` and `tellkit.pipeline(task)` without a model); summarization ships none
+PACKAGED_DEFAULTS: dict[str, Path] = {"caption": ASSETS / "default_caption", "recognize": ASSETS / "bttr_default"}
 
 
-def packaged_default(kind: str) -> Path | None:
-    """The packaged default checkpoint of ``kind`` ("caption" or "math") when it is installed
-    (its weights file is there), else None."""
-    if kind not in PACKAGED_DEFAULTS:
-        raise TellkitError(f"no packaged default of kind '{kind}'; known: {', '.join(PACKAGED_DEFAULTS)}")
-    path = PACKAGED_DEFAULTS[kind]
+def packaged_default(task: str) -> Path | None:
+    """The packaged default checkpoint of ``task`` ("caption" or "recognize") when it is
+    installed (its weights file is there), else None."""
+    if task not in PACKAGED_DEFAULTS:
+        raise TellkitError(f"no packaged default model for '{task}'; there is one for: {', '.join(PACKAGED_DEFAULTS)}")
+    path = PACKAGED_DEFAULTS[task]
     return path if (path / "model.safetensors").is_file() else None
 
 
@@ -169,60 +181,6 @@ class GenerationSettings:
                                f"{what} has")
 
 
-@dataclass
-class CaptionGeneration(GenerationSettings):
-    """How a captioner decodes (the ``generate`` keyword arguments of every captioning family)."""
-
-    max_len: int | None = None  # most generated tokens, EOS included; None: the model's own default
-    beam_size: int = 1  # 1 = greedy (the Transform and Tell reference decodes greedily)
-    length_penalty: float = 1.0  # a finished beam scores sum(log p) / length ** length_penalty
-    min_len: int = 1  # EOS is forbidden before this many tokens
-    no_repeat_ngram_size: int = 0  # >0: never repeat an n-gram of this size
-
-    def __post_init__(self) -> None:
-        self._check_search(min_len_low=1)
-
-
-GenerationConfig = CaptionGeneration  # the captioners' name for it
-
-
-@dataclass
-class RecognitionGeneration(GenerationSettings):
-    """How a BTTR model searches: the joint bidirectional beam search (``model.generate``)."""
-
-    beam_size: int = 10
-    max_len: int = 200
-    alpha: float = 1.0  # length normalisation exponent
-    bidirectional: bool = True
-    rescore: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_len is None:
-            raise TellkitError("generation: max_len must be a whole number, got None")
-        self._check_search()
-
-
-@dataclass
-class SummaryGeneration(GenerationSettings):
-    """Decoding settings of the summarization family (VG-BART, VG-T5, seq2seq)."""
-
-    beam_size: int = 5
-    max_len: int = 64  # new tokens
-    min_len: int = 0
-    no_repeat_ngram_size: int = 3
-    length_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.max_len is None:
-            raise TellkitError("generation: max_len must be a whole number, got None")
-        self._check_search(min_len_low=0)
-        if self.min_len > self.max_len:
-            raise TellkitError(f"generation: min_len {self.min_len} is larger than max_len {self.max_len}")
-
-
-SummaryGenerationConfig = SummaryGeneration
-
-
 # --- captioning -------------------------------------------------------------------------------------
 CAPTION_FORMATS = ("goodnews", "nytimes800k", "coco", "flickr8k")
 CONTEXT_MODES = ("location_aware", "first_tokens", "other_captions", "none")
@@ -234,95 +192,6 @@ DEFAULT_FACE_ENCODER = "facenet_casia"  # packaged CASIA-WebFace FaceNet; the pa
 MAX_FACES = 4  # Transform and Tell keeps the 4 largest faces
 FACE_DIM = 512
 OBJECT_DIM = 2048
-
-
-ENCODER_MODES = ("frozen", "reference")  # encoders.mode
-DATASET_IMAGES = ("tellkit", "reference")  # encoders.dataset_images
-
-
-@dataclass
-class EncodersConfig:
-    """A recipe's ``encoders:`` section (unknown keys are refused)."""
-
-    # mobilenet_v2 | efficientnet_lite0 | efficientnet_lite1 | efficientnet_lite2 | resnet50 | resnet101 | resnet152
-    image: str = DEFAULT_IMAGE_ENCODER
-    image_weights: str | None = None  # None: the encoder's offline default; a file; "random"
-    image_fit: str = "crop"  # crop: short side + centre crop; squash: whole photo to a square
-    article: str | None = DEFAULT_ARTICLE_ENCODER  # HF name/folder, or static / static:NAME / glove:PATH
-    faces: str | None = DEFAULT_FACE_ENCODER  # facenet_casia (packaged) or another FaceNet with face_weights
-    face_weights: str | None = None  # a facenet-pytorch-layout state dict (e.g. VGGFace2)
-    face_standardization: str | None = None  # None: the face encoder's default
-    objects: str | None = None  # the detector the precomputed object vectors came from (none ships)
-    caption_tokenizer: str | None = None  # None: the packaged RoBERTa BPE
-    max_faces: int = MAX_FACES
-    # frozen: image and article encoders in eval mode, features cacheable (data.features);
-    # reference: as the Transform and Tell reference trained them (gradients off, but in train
-    # mode during training steps: BatchNorm batch statistics and running-stat updates, RoBERTa
-    # dropout), so features are computed in each step from the batch and never cached
-    mode: str = "frozen"
-    # how a data set's images are read: tellkit (EXIF-rotated, the encoder's resize filter) or
-    # reference (the pixels as stored, Lanczos resize, as the reference prepared them); a
-    # user's own photo is always EXIF-rotated
-    dataset_images: str = "tellkit"
-
-    def __post_init__(self) -> None:
-        if self.image_fit not in IMAGE_FITS:
-            raise TellkitError(f"encoders.image_fit must be one of {', '.join(IMAGE_FITS)}, got {self.image_fit!r}")
-        if self.mode not in ENCODER_MODES:
-            raise TellkitError(f"encoders.mode must be one of {', '.join(ENCODER_MODES)}, got {self.mode!r}")
-        if self.dataset_images not in DATASET_IMAGES:
-            raise TellkitError(f"encoders.dataset_images must be one of {', '.join(DATASET_IMAGES)}, "
-                               f"got {self.dataset_images!r}")
-        if int(self.max_faces) < 0:
-            raise TellkitError(f"encoders.max_faces must be >= 0, got {self.max_faces}")
-
-    @classmethod
-    def from_recipe(cls, sec: Mapping[str, Any] | EncodersConfig | None) -> EncodersConfig:
-        """An ``encoders`` section (a mapping, None, or already an EncodersConfig)."""
-        return section({"encoders": sec}, "encoders", cls)
-
-    @property
-    def article_is_packaged(self) -> bool:
-        return self.article in (None, "minilm", DEFAULT_ARTICLE_ENCODER)
-
-
-@dataclass
-class CaptionDataConfig:
-    """A captioning recipe's ``data:`` section."""
-
-    format: str | None = None  # goodnews | nytimes800k | coco | flickr8k
-    root: str | None = None  # folder / archive / mongodb:// URI / JSON file; or --data
-    context: str = "location_aware"  # which article text the model reads (tellkit.encoders.context)
-    context_policy: str = "reference"  # reference (the paper's code) | cut (tellkit's earlier builder)
-    max_article_tokens: int = 512  # the article encoder's budget, special tokens included
-    # caption BPE tokens kept for training / the teacher-forced loss, between <s> and </s> (the
-    # reference's caption indexer keeps 510); the decoder's sinusoidal positions have no fixed size
-    max_caption_tokens: int = 510
-    features: str | None = None  # feature-cache folder (optional)
-    limit: dict[str, int] | None = None  # e.g. {val: 250, test: 500}: the first N samples of a split
-    options: dict[str, Any] = field(default_factory=dict)  # keyword options of the data loader
-    files: dict[str, str] | None = None  # COCO: one annotation file per split (instead of root)
-
-    def __post_init__(self) -> None:
-        if self.format is not None and self.format not in CAPTION_FORMATS:
-            raise TellkitError(f"data.format must be one of {', '.join(CAPTION_FORMATS)}, got {self.format!r}")
-        if self.context not in CONTEXT_MODES:
-            raise TellkitError(f"data.context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
-        if self.context_policy not in CONTEXT_POLICIES:
-            raise TellkitError(f"data.context_policy must be one of {', '.join(CONTEXT_POLICIES)}, "
-                               f"got {self.context_policy!r}")
-        if int(self.max_article_tokens) < 3:
-            raise TellkitError(f"data.max_article_tokens must be at least 3, got {self.max_article_tokens}")
-        if isinstance(self.max_caption_tokens, bool) or int(self.max_caption_tokens) < 1:
-            raise TellkitError(f"data.max_caption_tokens must be at least 1, got {self.max_caption_tokens}")
-        for name in ("limit", "files", "options"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, Mapping):
-                raise TellkitError(f"data.{name} must be a mapping, got {v!r}")
-        bad = sorted(set(self.limit or {}) - set(SPLITS))
-        if bad:
-            raise TellkitError(f"data.limit: unknown split(s) {', '.join(map(str, bad))}; known: {', '.join(SPLITS)}")
-        self.options = dict(self.options or {})
 
 
 SCST_BASELINES = ("mean", "greedy")
@@ -358,95 +227,6 @@ class SelfCriticalConfig:
             raise TellkitError(f"scst.xe_weight must be in [0, 1) (the cross-entropy's share), got {self.xe_weight}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
             raise TellkitError(f"scst.temperature must be a positive finite number, got {self.temperature}")
-
-
-@dataclass
-class CaptionEvalConfig(CaptionGeneration):
-    """A captioning recipe's ``eval:`` section: the generation settings and how predictions are scored."""
-
-    metrics: list[str] | None = None  # None: every caption metric (bleu, meteor, rouge, cider)
-    ner: bool = True  # named-entity precision / recall (spaCy)
-    ner_model: str | None = None  # None: tellkit.metrics.ner.DEFAULT_MODEL
-    rare_proper_nouns: bool = True  # also score proper nouns unseen in training captions
-    # compare lower-cased text (the Flickr8k / COCO papers' convention); False: case kept, as the
-    # Transform and Tell reference scored news captions, where case marks names
-    lowercase: bool = False
-    monitor: str = "loss"  # the validation metric that selects the best checkpoint
-    batch_size: int | None = None  # None: train.batch_size
-
-
-# --- recognition ------------------------------------------------------------------------------------
-LAYOUTS = ("inkml", "tsv", "caption")
-
-
-@dataclass
-class RecognitionData:
-    """A recognition recipe's ``data:`` section (the fields are described in
-    :mod:`tellkit.tasks.recognition`). ``render`` and ``augment`` are read by the data layer
-    (:mod:`tellkit.data.recognition`: the InkML renderer's and the augmentation's settings)."""
-
-    root: str | None = None
-    layout: str = "inkml"
-    train: str = "train"
-    val: str = "2014"
-    test: str = "2014"
-    render: dict[str, Any] = field(default_factory=dict)
-    cache: str | None = "default"
-    crop: bool = True
-    scale: float = 1.0
-    max_side: int = 0
-    bitmap_fit: bool = False
-    max_pixels: int = 320_000
-    max_len: int = 200
-    max_batch_pixels: int = 320_000
-    limit: dict[str, int] = field(default_factory=dict)
-    # random distortion of training items; empty = none (the reference's way): image space
-    # (tellkit.data.crohme.ImageAugment: rotate, shear, scale) and, for InkML, stroke space
-    # (tellkit.data.ink_augment.InkAugment: render_scale, ink_rotate, ..., substitute)
-    augment: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise TellkitError(f"data.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
-        for name in ("render", "augment", "limit"):
-            if not isinstance(getattr(self, name) or {}, Mapping):
-                raise TellkitError(f"data.{name} must be a mapping, got {getattr(self, name)!r}")
-        bad = sorted(set(self.limit) - set(SPLITS))
-        if bad:
-            raise TellkitError(f"data.limit: unknown split(s) {', '.join(bad)} (train|val|test)")
-
-
-@dataclass
-class RecognitionEval(RecognitionGeneration):
-    """A recognition recipe's ``eval:`` section: the search settings and the search batch size."""
-
-    batch_size: int = 16  # images per search batch (val/test; no pixel cap)
-
-
-# --- summarization ----------------------------------------------------------------------------------
-@dataclass
-class How2DataConfig:
-    """A summarization recipe's ``data:`` section."""
-
-    root: str | None = None  # the How2 folder; no default (recipe, data.root=..., or --data)
-    train: tuple[str, ...] = ("sum_train",)
-    val: tuple[str, ...] = ("sum_cv",)
-    test: tuple[str, ...] = ("sum_devtest",)
-    max_source_tokens: int = 512
-    max_target_tokens: int = 128
-    max_frames: int = 256
-    pad_frames: bool = True  # pad every video to max_frames; else to the batch's longest (as the reference)
-    source_prefix: str = ""  # text put before every transcript (e.g. T5's "summarize: ")
-    source_special_tokens: bool = True  # the tokenizer's <s> / </s> around the transcript (reference: none)
-    dedupe: bool = True  # skip a video id already read from an earlier part of the same split
-
-
-@dataclass
-class SummaryEvalConfig(SummaryGeneration):
-    """A summarization recipe's ``eval:`` section."""
-
-    batch_size: int | None = None
-    metrics: tuple[str, ...] = ("rouge", "caption", "content_f1")
 
 
 # --- training ---------------------------------------------------------------------------------------

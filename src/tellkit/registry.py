@@ -78,18 +78,6 @@ def list_models() -> list[str]:
     return sorted(_MODELS)
 
 
-def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:
-    """The contexts a captioner reads: its recipe section's ``contexts``, else its family's
-    default (Show and Tell: image only; Transform and Tell: image, article, faces)."""
-    if "contexts" in model_cfg:
-        return tuple(model_cfg["contexts"])
-    if model_cfg.get("name"):
-        fld = {f.name: f for f in dataclasses.fields(get_entry(model_cfg["name"]).config_cls)}.get("contexts")
-        if fld is not None and fld.default is not dataclasses.MISSING:
-            return tuple(fld.default)
-    return ("image", "article", "faces")
-
-
 def build_config(name_or_config: Any, **overrides: Any) -> tuple[ModelEntry, Any]:
     """Resolve anything ``create_model`` accepts into (entry, config dataclass)."""
     if dataclasses.is_dataclass(name_or_config) and not isinstance(name_or_config, type):

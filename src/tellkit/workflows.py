@@ -28,15 +28,15 @@ from typing import Any
 
 from tellkit.checkpoint import atomic_write_json, load_model, read_checkpoint_config, resolve_checkpoint
 from tellkit.config import check_recipe_sections, deep_merge, load_yaml, parse_overrides, resolve_config_path
-from tellkit.encoders.bundle import EncoderBundle
 from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, SPLITS, eval_batch_size, section
-from tellkit.registry import model_contexts
 from tellkit.tasks import make_task
+from tellkit.tasks.captioning import CaptionProcessor, model_contexts
 from tellkit.training import distributed
 from tellkit.training.evaluation import run_eval, write_eval_outputs
 from tellkit.training.loop import logged_train_seconds, train
 from tellkit.training.task import Task
+from tellkit.utils import precision as precisions
 
 
 def train_recipe(recipe: Mapping[str, Any], run_dir: str | os.PathLike, task: Task | None = None,
@@ -79,24 +79,32 @@ class EvalResult:
     def report(self) -> dict[str, Any]:
         """The JSON summary ``tellkit evaluate`` prints."""
         return {"split": self.split, "n": len(self.predictions), "metrics": self.metrics,
-                "summary": str(self.summary_file), "predictions": str(self.predictions_file)}
+                "dtype": self.info.get("dtype", "float32"), "summary": str(self.summary_file),
+                "predictions": str(self.predictions_file)}
 
 
 def default_eval_dir(checkpoint: Path) -> Path:
-    """A run's ``checkpoints/<name>`` evaluates into ``<run>/eval``, a lone checkpoint into ``<checkpoint>/eval``."""
-    return checkpoint.parent.parent / "eval" if checkpoint.parent.name == "checkpoints" else checkpoint / "eval"
+    """A run's ``checkpoints/<name>`` evaluates into ``<run>/eval``; any other checkpoint (an
+    exported model, a packaged default inside the installed package) into
+    ``./runs/eval/<checkpoint folder name>``, never beside the checkpoint itself."""
+    if checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent / "eval"
+    return Path("runs") / "eval" / checkpoint.resolve().name
 
 
 def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, data: str | None = None,
                         overrides: Sequence[str] | Mapping[str, Any] | None = None,
                         out: str | os.PathLike | None = None,
                         batch_size: int | None = None, device: str | None = None, progress: bool = True,
-                        recipe: Mapping[str, Any] | None = None, task: Task | None = None) -> EvalResult:
+                        recipe: Mapping[str, Any] | None = None, task: Task | None = None,
+                        dtype: str | None = None) -> EvalResult:
     """Generate for ``split`` with a checkpoint (or a run folder: its best checkpoint), score it
     and write ``metrics_<split>.json`` / ``predictions_<split>.jsonl`` into ``out`` (default:
     :func:`default_eval_dir`). ``data`` replaces ``data.root``; ``overrides``: ``key=value``
     strings or a nested mapping. ``recipe`` / ``task``: the ones the checkpoint was trained with,
-    when the caller holds them already (``tellkit table``); default: the stored recipe's."""
+    when the caller holds them already (``tellkit table``); default: the stored recipe's.
+    ``dtype``: "bf16" generates in bfloat16 autocast where the device computes it natively (else
+    float32, and ``info`` says why), as the inference pipelines do; "fp32" or None: float32."""
     if split not in SPLITS:
         raise TellkitError(f"--split must be train, val or test, got {split!r}")
     ckpt = resolve_checkpoint(checkpoint)
@@ -115,8 +123,9 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
     info = distributed.setup(device)
     try:
         task = make_task(recipe) if task is None else task
-        model = load_model(ckpt, map_location=info.device)
+        model = load_model(ckpt, map_location=info.device).float()
         task.progress = progress
+        task.precision = generation_precision(info.device, dtype)
         dataset = task.build_dataset(split)
         if dataset is None or len(dataset) == 0:
             raise TellkitError(f"split '{split}' is empty")
@@ -124,13 +133,24 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
                                   num_workers=int(section(recipe, "train").get("num_workers") or 0),
                                   progress=progress)
         result = EvalResult(ckpt, split, metrics, preds, model.num_parameters(trainable_only=True),
-                            info={"checkpoint": str(ckpt), "task": recipe["task"], **getattr(task, "eval_info", {})})
+                            info={"checkpoint": str(ckpt), "task": recipe["task"], "dtype": task.precision.name,
+                                  **({"dtype_note": task.precision.note} if task.precision.note else {}),
+                                  **getattr(task, "eval_info", {})})
         if info.is_main:
             result.summary_file, result.predictions_file = write_eval_outputs(
                 Path(out) if out else default_eval_dir(ckpt), split, metrics, preds, result.info)
     finally:
         distributed.teardown(info)
     return result
+
+
+def generation_precision(device, dtype: str | None) -> precisions.Precision:
+    """The compute precision of generation on ``device`` for ``dtype`` ('bf16', 'fp32', None)."""
+    try:
+        wanted = None if dtype is None else precisions.dtype_name(dtype)
+    except ValueError as exc:
+        raise TellkitError(f"--dtype: {exc}") from None
+    return precisions.resolve(device, wanted)
 
 
 # --- tellkit table: one trained and scored row per recipe ----------------------------------------
@@ -175,7 +195,7 @@ def _row_task(recipe: Mapping[str, Any]) -> Task:
     if recipe.get("task") != "captioning":
         return make_task(recipe)
     contexts = model_contexts(section(recipe, "model"))
-    return make_task(recipe, bundle=EncoderBundle.for_recipe(recipe, contexts, shared_encoders=_MEMO, memo=_MEMO))
+    return make_task(recipe, bundle=CaptionProcessor.recipe_bundle(recipe, contexts, shared_encoders=_MEMO, memo=_MEMO))
 
 
 def published_numbers(value: Any, where: str) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from tellkit.data.crohme import render_square
 from tellkit.errors import TellkitError
-from tellkit.pipelines.recognition import ASSETS, SAMPLE_LATEX, SAMPLE_PATH, Recognizer  # noqa: F401 - re-exported
+from tellkit.pipelines.recognition import ASSETS, SAMPLE_LATEX, SAMPLE_PATH, RecognitionPipeline  # noqa: F401 - re-exported
 from tellkit.recipes import PACKAGED_DEFAULTS
 
 
@@ -72,32 +72,32 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
 
     if threads:
         torch.set_num_threads(threads)
-    rec = Recognizer.load(checkpoint, device=device)
+    rec = RecognitionPipeline.load(checkpoint, device=device, beam_size=beam_size, max_len=max_len)
     if images is None:
         images = _default_images(n_images)
         source = ("the packaged sample, repeated" if images and images[0] == SAMPLE_PATH
                   else f"the first {len(images)} PNGs of CROHME 2014 test (TELLKIT_SHARED_DATA)")
     else:
         source = "given"
-    tensors = [rec.prepare(p) for p in images]
-    kw = {"beam_size": beam_size or rec.beam_size, "max_len": max_len or rec.max_len}
+    tensors = rec.prepare(images)
+    kw = {"beam_size": rec.generation.beam_size, "max_len": rec.generation.max_len}
 
     t0 = time.perf_counter()
     fast = []
     for i in range(0, len(tensors), batch_size):
-        fast += rec.search(tensors[i : i + batch_size], use_cache=True, **kw)["tokens"]
+        fast += rec.forward(rec.preprocess(tensors[i : i + batch_size]), use_cache=True)["tokens"]
     t_fast = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     slow = []
     for t in tensors:
-        slow += rec.search([t], use_cache=False, **kw)["tokens"]
+        slow += rec.forward(rec.preprocess([t]), use_cache=False)["tokens"]
     t_slow = time.perf_counter() - t0
 
     n = len(tensors)
     return {
         "model": "bttr",
-        "checkpoint": checkpoint_label(rec.checkpoint),
+        "checkpoint": checkpoint_label(rec.info["checkpoint"]),
         "images_from": source,
         "device": device,
         "threads": torch.get_num_threads(),
@@ -115,7 +115,7 @@ def bench_bttr(checkpoint: str | Path | None = None, images: list[str | Path] | 
 
 def checkpoint_label(path) -> str:
     """The packaged default by name (results files hold no machine paths), else the path given."""
-    default = PACKAGED_DEFAULTS["math"]
+    default = PACKAGED_DEFAULTS["recognize"]
     if Path(path).resolve() == default.resolve():
         return f"packaged default ({default.name})"
     return str(path)

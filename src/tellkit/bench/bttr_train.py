@@ -39,10 +39,10 @@ from typing import Any
 from tellkit.config import load_yaml
 from tellkit.data.crohme import collate, load_split, size_batches
 from tellkit.data.latex import Vocab
-from tellkit.data.recognition import make_renderer, render_config
+from tellkit.data.recognition import RecognitionDataConfig, make_renderer, render_config
 from tellkit.errors import TellkitError
 from tellkit.layers.dropout import FastDropout
-from tellkit.recipes import RecognitionData, section
+from tellkit.recipes import section
 from tellkit.registry import create_model
 from tellkit.utils import precision
 
@@ -60,7 +60,7 @@ def _rendered(recipe: str, split: str, n_expressions: int, seed: int):
     """The recipe, its data section, a seeded sample of ``split`` rendered as training items,
     their sizes, and the render rate (items/s of one process, no augmentation)."""
     r = load_yaml(recipe)
-    data = section({"data": {**r.get("data", {}), "cache": None}}, "data", RecognitionData)
+    data = section({"data": {**r.get("data", {}), "cache": None}}, "data", RecognitionDataConfig)
     root = _data_root()
     exprs = load_split(root, split, "inkml")
     exprs = random.Random(seed).sample(exprs, min(n_expressions, len(exprs)))

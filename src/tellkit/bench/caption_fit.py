@@ -22,7 +22,6 @@ from tellkit.encoders.preprocess import load_image
 from tellkit.errors import TellkitError
 from tellkit.metrics.caption import score_captions
 from tellkit.pipelines.captioning import CaptioningPipeline
-from tellkit.recipes import PACKAGED_DEFAULTS
 
 ASPECTS = (4 / 3, 3 / 4)
 
@@ -45,15 +44,15 @@ def _dev(n: int) -> tuple[list[str], dict[str, list[str]], dict[str, str]]:
 def _captions(pipe: CaptioningPipeline, images: list, batch: int = 16) -> list[str]:
     out = []
     for k in range(0, len(images), batch):
-        out += [r["caption"] for r in pipe.caption([(im, "") for im in images[k:k + batch]])]
+        out += [r["text"] for r in pipe(images[k:k + batch], details=False)]
     return out
 
 
 def run(quick: bool = False, device: str = "cpu", checkpoint: str | None = None) -> dict[str, Any]:
     n = 100 if quick else 1000
     ids, refs, paths = _dev(n)
-    pipe = CaptioningPipeline.load(checkpoint or PACKAGED_DEFAULTS["caption"], device=device)
-    transform = pipe.bundle.image_encoder.preprocess
+    pipe = CaptioningPipeline.load(checkpoint, device=device)
+    transform = pipe.processor.bundle.image_encoder.preprocess
     squares = [load_image(paths[i]) for i in ids]
     rows: dict[str, Any] = {}
 
@@ -75,4 +74,4 @@ def run(quick: bool = False, device: str = "cpu", checkpoint: str | None = None)
             score(f"{shape[0]}x{shape[1]} ({aspect:.2f}), {fit}", stretched, fit)
     transform.fit = trained_fit
     return {"images": len(ids), "split": "Flickr8k dev", "checkpoint": str(checkpoint or "packaged default"),
-            "encoder": pipe.bundle.config.image, "rows": rows}
+            "encoder": pipe.processor.bundle.config.image, "rows": rows}

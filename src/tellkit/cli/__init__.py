@@ -12,6 +12,7 @@ and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import glob
 import importlib
 import math
 import pkgutil
@@ -53,6 +54,57 @@ def read_text_file(path, what: str) -> str:
         return p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise TellkitError(f"{what}: {p} is not UTF-8 text") from exc
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+GLOB_CHARS = set("*?[")
+
+
+def expand_inputs(args: list[str], suffixes: tuple[str, ...], what: str = "inputs") -> list[str]:
+    """The input files named on the command line, in order: a file as given, a folder's files
+    whose suffix is one of ``suffixes`` (sorted by name), a glob pattern's matches (sorted).
+    A folder without such files or a pattern without matches is a one-line error."""
+    out: list[str] = []
+    for arg in args:
+        p = Path(arg)
+        if p.is_dir():
+            found = sorted(str(f) for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
+            if not found:
+                raise TellkitError(f"{arg}: no {what} in this folder ({', '.join(suffixes)})")
+            out += found
+        elif GLOB_CHARS & set(arg) and not p.exists():
+            found = sorted(f for f in glob.glob(arg) if Path(f).is_file())
+            if not found:
+                raise TellkitError(f"{arg}: no file matches this pattern")
+            out += found
+        else:
+            out.append(arg)
+    if not out:
+        raise TellkitError(f"no {what} given")
+    return out
+
+
+def add_model_arguments(p, default_help: str, dtype: bool = True) -> None:
+    """``--model`` (and the hidden ``--checkpoint``), ``--device``, ``--dtype``, ``--batch-size``."""
+    p.add_argument("--model", metavar="DIR", help=f"checkpoint or run folder (default: {default_help})")
+    p.add_argument("--checkpoint", dest="model", help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    if dtype:
+        add_dtype_argument(p)
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="inputs per batch (default: the checkpoint's evaluation batch size)")
+
+
+def add_dtype_argument(p) -> None:
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
+                   help="bf16: search in bfloat16 autocast where the device computes it natively (float32 "
+                        "elsewhere, with a note); default fp32")
+
+
+def note_dtype(command: str, info: dict) -> None:
+    """The reason a requested dtype was not granted, on stderr."""
+    if info.get("dtype_note"):
+        print(f"tellkit {command}: note: {info['dtype_note']}", file=sys.stderr)
 
 
 def _commands():

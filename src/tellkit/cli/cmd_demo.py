@@ -8,6 +8,7 @@ when it has one (``<name>.txt``). Until a default captioning model is installed,
 tiny model runs instead, and says so."""
 from __future__ import annotations
 
+import argparse
 import json
 
 NAME = "demo"
@@ -15,7 +16,8 @@ HELP = "caption the packaged sample images (and articles) and recognise a handwr
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--checkpoint", help="use this checkpoint instead of the default model")
+    p.add_argument("--model", metavar="DIR", help="use this captioning checkpoint instead of the default model")
+    p.add_argument("--checkpoint", dest="model", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="one JSON object per sample (caption, faces, attention)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--no-math", action="store_true", help="skip the handwritten-math (BTTR) sample")
@@ -23,38 +25,37 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from tellkit.encoders.preprocess import load_image  # heavy
-    from tellkit.pipelines.captioning import CaptioningPipeline  # heavy
+    from tellkit.pipelines.captioning import NO_OBJECT_DETECTOR, CaptioningPipeline  # heavy
     from tellkit.recipes import ASSETS, packaged_default  # heavy
 
     samples = ASSETS / "demo_caption"
     default = packaged_default("caption")
-    checkpoint = args.checkpoint or (str(default) if default else None)
-    if checkpoint:
-        captioner = CaptioningPipeline.load(checkpoint, device=args.device)
-        print(f"tellkit demo: captioning with {checkpoint}")
-        if not args.checkpoint:
+    if args.model or default:
+        captioner = CaptioningPipeline.load(args.model, device=args.device)
+        print(f"tellkit demo: captioning with {args.model or default}")
+        if not args.model:
             print_model_title(default)
     else:
         print("tellkit demo: NO TRAINED DEFAULT CAPTIONING MODEL IS INSTALLED. Running an UNTRAINED tiny "
               "Transform and Tell (random weights) over the real offline encoders to show the pipeline: "
-              "its captions are noise. Pass --checkpoint DIR to use a trained model.")
+              "its captions are noise. Pass --model DIR to use a trained model.")
         captioner = CaptioningPipeline.untrained()
     reads_articles = captioner.reads_articles
     if not reads_articles:
         print("(this model captions from the image alone: the sample articles are not used)")
     if "objects" in captioner.contexts:
-        from tellkit.pipelines.captioning import NO_OBJECT_DETECTOR  # heavy
-
         print(f"(this model reads objects; {NO_OBJECT_DETECTOR})")
-    for img in sorted(samples.glob("*.jpg")):
-        txt = img.with_suffix(".txt")
-        article = txt.read_text(encoding="utf-8") if txt.is_file() and reads_articles else ""
-        res = captioner.caption([(load_image(img), article)])[0]
+    images = sorted(samples.glob("*.jpg"))
+    articles = [img.with_suffix(".txt") for img in images]
+    texts = [t.read_text(encoding="utf-8") if t.is_file() and reads_articles else "" for t in articles]
+    results = captioner([{"image": load_image(img), "article": text} for img, text in zip(images, texts)],
+                        details=args.json)
+    for img, txt, article, res in zip(images, articles, texts, results):
         if args.json:
             print(json.dumps({"image": img.name, "article": txt.name if article else None, **res}, ensure_ascii=False))
         else:
-            faces = f", {len(res['faces'])} face(s)" if res["faces"] else ""
-            print(f"{img.name}{' + ' + txt.name if article else ''}{faces}: {res['caption']}")
+            faces = f", {len(res['faces'])} face(s)" if res.get("faces") else ""
+            print(f"{img.name}{' + ' + txt.name if article else ''}{faces}: {res['text']}")
     if not args.no_math:
         demo_math(args)
     return 0
@@ -62,17 +63,17 @@ def run(args) -> int:
 
 def demo_math(args) -> None:
     """The packaged handwritten formula through the default BTTR model (`tellkit recognize`)."""
-    from tellkit.pipelines.recognition import SAMPLE_LATEX, SAMPLE_PATH, Recognizer  # heavy
+    from tellkit.pipelines.recognition import SAMPLE_LATEX, SAMPLE_PATH, RecognitionPipeline  # heavy
     from tellkit.recipes import PACKAGED_DEFAULTS  # heavy
 
-    rec = Recognizer.load(None, device=args.device)
-    print(f"tellkit demo: handwritten math with {PACKAGED_DEFAULTS['math']}")
-    print_model_title(PACKAGED_DEFAULTS["math"])
-    res = rec.recognize([SAMPLE_PATH])[0]
+    rec = RecognitionPipeline.load(None, device=args.device)
+    print(f"tellkit demo: handwritten math with {PACKAGED_DEFAULTS['recognize']}")
+    print_model_title(PACKAGED_DEFAULTS["recognize"])
+    res = rec(SAMPLE_PATH)
     if args.json:
         print(json.dumps({"image": SAMPLE_PATH.name, "truth": SAMPLE_LATEX, **res}, ensure_ascii=False))
     else:
-        print(f"{SAMPLE_PATH.name} (drawn: {SAMPLE_LATEX}): {res['latex']}")
+        print(f"{SAMPLE_PATH.name} (drawn: {SAMPLE_LATEX}): {res['text']}")
 
 
 def print_model_title(folder) -> None:

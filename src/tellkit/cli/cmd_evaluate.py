@@ -3,13 +3,19 @@
 The checkpoint's ``config.json`` names its ``task`` and carries the other sections of the training
 recipe (data, eval, train, encoders ...; written by ``tellkit train``); ``--data`` replaces ``data.root``, ``key=value``
 overrides change anything else (e.g. ``eval.beam_size=4``). Writes ``metrics_<split>.json`` and
-``predictions_<split>.jsonl``. Works under ``torchrun`` too (predictions gathered, scored once).
+``predictions_<split>.jsonl`` into ``--out``, by default ``<run>/eval`` for a checkpoint of a
+``tellkit train`` run and ``./runs/eval/<checkpoint name>`` for any other (never into the
+checkpoint's folder, which may be inside the installed package). Generation runs the task's
+processor and search, as ``tellkit caption`` / ``recognize`` / ``summarize`` do; ``--dtype bf16``
+runs it in bfloat16 autocast where the device computes it natively. Works under ``torchrun`` too
+(predictions gathered, scored once).
 """
 from __future__ import annotations
 
 import json
+import sys
 
-from tellkit.cli import positive_int
+from tellkit.cli import add_dtype_argument, positive_int
 
 NAME = "evaluate"
 HELP = "generate for a data split with a checkpoint and score it (JSON summary + per-example JSONL)"
@@ -21,10 +27,12 @@ def add_arguments(p) -> None:
                    help="section.key=value overrides of the stored recipe (right after CHECKPOINT)")
     p.add_argument("--data", help="data location (sets data.root of the stored recipe)")
     p.add_argument("--split", default="test", help="train, val or test (default: test)")
-    p.add_argument("--out", help="output folder (default: <run>/eval, or <checkpoint>/eval)")
+    p.add_argument("--out", help="output folder (default: <run>/eval for a training run's checkpoint, "
+                                 "else ./runs/eval/<checkpoint name>)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="default: eval.batch_size or train.batch_size")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    add_dtype_argument(p)
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -32,7 +40,10 @@ def run(args) -> int:
     from tellkit.workflows import evaluate_checkpoint  # heavy
 
     result = evaluate_checkpoint(args.checkpoint, args.split, data=args.data, overrides=args.overrides, out=args.out,
-                                 batch_size=args.batch_size, device=args.device, progress=not args.no_progress)
+                                 batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
+                                 dtype=args.dtype)
+    if result.info.get("dtype_note"):
+        print(f"tellkit evaluate: note: {result.info['dtype_note']}", file=sys.stderr)
     if result.summary_file is not None:  # the main process of a torchrun group
         print(json.dumps(result.report(), indent=2))
     return 0

@@ -1,45 +1,52 @@
-"""`tellkit recognize IMAGE [IMAGE ...] [--model CKPT] [--json]`: handwritten math -> LaTeX (BTTR)."""
+"""`tellkit recognize INPUT... [--model CKPT] [--json]`: handwritten math -> LaTeX (BTTR).
+
+Inputs are bitmaps or InkML files, folders of them, or glob patterns, read through
+:class:`tellkit.pipelines.recognition.RecognitionPipeline` (the processor and search
+``tellkit evaluate`` runs, with the checkpoint's whole stored search setting) in size-sorted
+batches. One input prints its LaTeX, several print ``PATH<TAB>LaTeX`` lines; ``--json`` prints
+one JSON object per input (``input``, ``text``, ``tokens``, ``score``)."""
 from __future__ import annotations
 
 import json
 
-from tellkit.cli import positive_float, positive_int
+from tellkit.cli import IMAGE_SUFFIXES, add_model_arguments, expand_inputs, note_dtype, positive_float
 from tellkit.errors import TellkitError
 
 NAME = "recognize"
-HELP = "recognise handwritten math expression images and print their LaTeX (BTTR)"
+HELP = "recognise handwritten math expressions (images, InkML files, folders) and print their LaTeX (BTTR)"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("images", nargs="+",
-                   help="image files (PNG/JPEG/BMP; dark ink on a light background or the reverse)")
-    p.add_argument("--model", help="BTTR checkpoint or run folder (default: the packaged model)")
-    p.add_argument("--json", action="store_true", help="one JSON object per image: image, latex, tokens, score")
+    p.add_argument("images", nargs="+", metavar="INPUT",
+                   help="image files (PNG/JPEG/BMP; dark ink on a light background or the reverse), InkML files, "
+                        "folders of them, or glob patterns")
+    add_model_arguments(p, "the packaged model")
+    p.add_argument("--json", action="store_true", help="one JSON object per input: input, text (LaTeX), tokens, score")
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam size per direction (default: the checkpoint's, 10)")
-    p.add_argument("--max-len", type=int, default=None, help="maximum output tokens (default 200)")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="images per search batch (default 8)")
+    p.add_argument("--max-len", type=int, default=None, help="maximum output tokens (default: the checkpoint's, 200)")
     p.add_argument("--stroke-size", type=positive_float, default=None, metavar="PX",
                    help="read at this median stroke size in pixels (default: the checkpoint's "
                         "data.render.stroke_size; the packaged model's is 22)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
 def run(args) -> int:
-    from tellkit.pipelines.recognition import Recognizer  # heavy
+    from tellkit.pipelines.recognition import RecognitionPipeline  # heavy
 
     if args.beam_size is not None and args.beam_size < 1:
         raise TellkitError("--beam-size must be >= 1")
     if args.max_len is not None and args.max_len < 1:
         raise TellkitError("--max-len must be >= 1")
-    rec = Recognizer.load(args.model, device=args.device, stroke_size=args.stroke_size)
-    results = rec.recognize(args.images, batch_size=max(1, args.batch_size), beam_size=args.beam_size,
-                            max_len=args.max_len)
-    for path, r in zip(args.images, results):
+    paths = expand_inputs(args.images, (*IMAGE_SUFFIXES, ".inkml"), "images or InkML files")
+    pipe = RecognitionPipeline.load(args.model, device=args.device, dtype=args.dtype, stroke_size=args.stroke_size,
+                                    beam_size=args.beam_size, max_len=args.max_len)
+    note_dtype(NAME, pipe.info)
+    results = pipe(paths, batch_size=args.batch_size)
+    for path, r in zip(paths, results):
         if args.json:
-            print(json.dumps({"image": path, **r}, ensure_ascii=False))
-        elif len(args.images) > 1:
-            print(f"{path}\t{r['latex']}")
+            print(json.dumps({"input": path, **r}, ensure_ascii=False))
+        elif len(paths) > 1:
+            print(f"{path}\t{r['text']}")
         else:
-            print(r["latex"])
+            print(r["text"])
     return 0

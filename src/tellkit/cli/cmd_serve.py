@@ -1,4 +1,4 @@
-"""`tellkit serve [--host 127.0.0.1] [--port 8000] [--checkpoint caption=DIR] [--checkpoint math=DIR]`:
+"""`tellkit serve [--host 127.0.0.1] [--port 8000] [--model caption=DIR] [--model math=DIR] [--dtype bf16]`:
 the HTTP JSON API and the demo page (see docs/server.md)."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import math
 import sys
 from pathlib import Path
 
+from tellkit.cli import add_dtype_argument
 from tellkit.errors import TellkitError
 from tellkit.utils.memory import limit_arenas
 
@@ -17,16 +18,18 @@ def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--checkpoint", action="append", default=[], metavar="MODEL=DIR",
-                   help="checkpoint (or run folder) per model: caption=DIR (Transform and Tell), math=DIR (BTTR); "
+    p.add_argument("--model", "--checkpoint", dest="checkpoint", action="append", default=[],
+                   metavar="ENDPOINT=DIR",
+                   help="checkpoint (or run folder) per endpoint: caption=DIR (a captioner), math=DIR (BTTR); "
                         "repeatable. Only these (and the packaged defaults) are ever loaded; "
                         "clients cannot choose paths")
     p.add_argument("--models", default="caption,math",
                    help="which endpoints to serve: caption, math or both (default caption,math)")
     p.add_argument("--untrained", action="store_true",
-                   help="serve tiny RANDOM models (outputs are noise) for the endpoints without --checkpoint: "
+                   help="serve tiny RANDOM models (outputs are noise) for the endpoints without --model: "
                         "try the page and API without trained models")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add_dtype_argument(p)
     p.add_argument("--max-batch", type=int, default=8, help="requests grouped into one forward pass (default 8)")
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long the worker waits to fill a batch (default 10)")
@@ -46,12 +49,12 @@ def add_arguments(p) -> None:
                    help="widest beam served; a checkpoint's wider one is lowered to it (default 16)")
     p.add_argument("--max-gen-len", type=int, default=256,
                    help="most tokens generated per answer; a checkpoint's longer max_len is lowered (default 256)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--api-only", action="store_true", help="serve the API without the page")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--memory-budget-mb", type=int, default=256,
                    help="estimated model working memory of the batches running at once, both models together; "
                    "an input larger than this runs alone (default 256)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--api-only", action="store_true", help="serve the API without the page")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
 def parse_checkpoints(values: list[str]) -> dict[str, str]:
@@ -59,18 +62,19 @@ def parse_checkpoints(values: list[str]) -> dict[str, str]:
     for v in values:
         name, sep, path = v.partition("=")
         if not sep or name not in ("caption", "math") or not path:
-            raise TellkitError(f"--checkpoint expects caption=DIR or math=DIR, got '{v}'")
+            raise TellkitError(f"--model expects caption=DIR or math=DIR, got '{v}'")
         if name in out:
-            raise TellkitError(f"--checkpoint {name}= given twice")
+            raise TellkitError(f"--model {name}= given twice")
         out[name] = path
     return out
 
 
 def plan(args) -> dict[str, str | None]:
     """Which model each served endpoint gets: a checkpoint folder, or None for a tiny random
-    model (``--untrained``, only for endpoints without ``--checkpoint``). Without ``--untrained``
-    an endpoint with no ``--checkpoint`` gets the packaged default, which must be installed."""
+    model (``--untrained``, only for endpoints without ``--model``). Without ``--untrained``
+    an endpoint with no ``--model`` gets the packaged default, which must be installed."""
     from tellkit.recipes import PACKAGED_DEFAULTS, packaged_default  # heavy
+    from tellkit.server.backends import ENDPOINT_TASKS  # heavy
 
     wanted = [m for m in ("caption", "math") if m in {x.strip() for x in args.models.split(",")}]
     bad = {x.strip() for x in args.models.split(",") if x.strip()} - {"caption", "math"}
@@ -79,39 +83,40 @@ def plan(args) -> dict[str, str | None]:
     ckpts = parse_checkpoints(args.checkpoint)
     extra = set(ckpts) - set(wanted)
     if extra:
-        raise TellkitError(f"--checkpoint {', '.join(sorted(extra))}=... given but not in --models {args.models}")
+        raise TellkitError(f"--model {', '.join(sorted(extra))}=... given but not in --models {args.models}")
     for name, path in ckpts.items():
         if not Path(path).is_dir():
-            raise TellkitError(f"--checkpoint {name}={path}: not a directory")
+            raise TellkitError(f"--model {name}={path}: not a directory")
     out: dict[str, str | None] = {}
     for name in wanted:
         if name in ckpts:
             out[name] = ckpts[name]
         elif args.untrained:
             out[name] = None
-        elif packaged_default(name) is not None:
-            out[name] = str(packaged_default(name))
+        elif packaged_default(ENDPOINT_TASKS[name]) is not None:
+            out[name] = str(packaged_default(ENDPOINT_TASKS[name]))
         else:
-            raise TellkitError(f"no {name} checkpoint: the packaged default {PACKAGED_DEFAULTS[name]} is not "
-                               f"installed; "
-                               f"pass --checkpoint {name}=DIR, leave {name} out of --models, or add --untrained")
+            raise TellkitError(f"no {name} checkpoint: the packaged default {PACKAGED_DEFAULTS[ENDPOINT_TASKS[name]]} "
+                               f"is not installed; "
+                               f"pass --model {name}=DIR, leave {name} out of --models, or add --untrained")
     return out
 
 
 def load_backends(args) -> tuple[object | None, object | None]:
     """Load each requested model once, before the server starts (a failure stops start-up)."""
-    from tellkit.server.backends import BTTRMathRecognizer, ImageCaptioner  # heavy
+    from tellkit.server.backends import CaptioningPipeline, RecognitionPipeline  # heavy
 
     chosen = plan(args)
+    dtype = getattr(args, "dtype", None)
     captioner = recognizer = None
     if "caption" in chosen:
         path = chosen["caption"]
-        captioner = (ImageCaptioner.untrained(device=args.device) if path is None
-                     else ImageCaptioner.load(path, device=args.device))
+        captioner = (CaptioningPipeline.untrained(device=args.device) if path is None
+                     else CaptioningPipeline.load(path, device=args.device, dtype=dtype))
     if "math" in chosen:
         path = chosen["math"]
-        recognizer = (BTTRMathRecognizer.untrained(device=args.device) if path is None
-                      else BTTRMathRecognizer.load(path, device=args.device))
+        recognizer = (RecognitionPipeline.untrained(device=args.device) if path is None
+                      else RecognitionPipeline.load(path, device=args.device, dtype=dtype))
     return captioner, recognizer
 
 
@@ -181,8 +186,10 @@ def run(args) -> int:
         if b is not None:
             info = b.info
             state = "trained" if info.get("trained") else "UNTRAINED (outputs are noise)"
-            print(f"tellkit serve: {name}: {info.get('name')} {state}, checkpoint {info.get('checkpoint') or '-'}",
-                  file=sys.stderr)
+            print(f"tellkit serve: {name}: {info.get('name')} {state}, checkpoint {info.get('checkpoint') or '-'}, "
+                  f"{info.get('dtype', 'float32')}", file=sys.stderr)
+            if info.get("dtype_note"):
+                print(f"tellkit serve: {name}: note: {info['dtype_note']}", file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"tellkit serve: WARNING: binding {args.host}: reachable from other machines", file=sys.stderr)
     app = create_app(captioner, recognizer, limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,

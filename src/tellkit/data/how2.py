@@ -171,6 +171,16 @@ def pad_video(
     return video, mask
 
 
+def source_ids(tokenizer: Any, transcript: str, *, max_source_tokens: int = 512, source_prefix: str = "",
+               source_special_tokens: bool = True) -> list[int]:
+    """The model's source tokens for a transcript: ``source_prefix`` + transcript, cut to
+    ``max_source_tokens``; the tokenizer's special tokens unless ``source_special_tokens`` is
+    false (the reference's data builder encodes transcripts without them)."""
+    plain = {} if source_special_tokens else {"add_special_tokens": False}
+    enc = tokenizer(source_prefix + transcript, max_length=max_source_tokens, truncation=True, **plain)
+    return list(enc["input_ids"])
+
+
 class How2Dataset(Dataset):
     """Tokenised How2 examples. Items: ``id``, ``input_ids``, ``labels``, ``video``, ``summary``."""
 
@@ -202,17 +212,15 @@ class How2Dataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         ex = self.examples[i]
-        # the reference's data builder encodes transcripts without special tokens (source_special_tokens=False)
-        plain = {} if self.source_special_tokens else {"add_special_tokens": False}
-        src = self.tokenizer(self.source_prefix + ex.transcript, max_length=self.max_source_tokens, truncation=True,
-                             **plain)
+        src = source_ids(self.tokenizer, ex.transcript, max_source_tokens=self.max_source_tokens,
+                         source_prefix=self.source_prefix, source_special_tokens=self.source_special_tokens)
         tgt = self.tokenizer(ex.summary, max_length=self.max_target_tokens, truncation=True)
         video = None
         if self.use_video and ex.features is not None:
             video = load_features(ex.features, self.max_frames, self.video_dim)
         return {
             "id": ex.id,
-            "input_ids": list(src["input_ids"]),
+            "input_ids": src,
             "labels": list(tgt["input_ids"]),
             "video": video,
             "summary": ex.summary,

@@ -1,11 +1,13 @@
-"""What a recognition recipe's ``data:`` section (:class:`tellkit.recipes.RecognitionData`)
-means for the data layer: the data folder, the InkML renderer and its cache, how a bitmap is
-prepared for a model, and the training-image augmentation. The training task and the
-inference pipeline both read the section through these functions."""
+"""A recognition recipe's ``data:`` section (:class:`RecognitionDataConfig`) and what it means
+for the data layer: the data folder, the InkML renderer and its cache, how a bitmap is prepared
+for a model, and the training-image augmentation. The training task and the recognition
+processor (:class:`tellkit.tasks.recognition.RecognitionProcessor`) both read the section
+through these functions."""
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,46 @@ from tellkit.data.crohme import ImageAugment
 from tellkit.data.ink_augment import InkAugment
 from tellkit.data.inkml import InkRenderer, RenderConfig, default_cache_dir
 from tellkit.errors import TellkitError
-from tellkit.recipes import RecognitionData
+from tellkit.recipes import SPLITS
+
+LAYOUTS = ("inkml", "tsv", "caption")
+
+
+@dataclass
+class RecognitionDataConfig:
+    """A recognition recipe's ``data:`` section (the fields are described in
+    :mod:`tellkit.tasks.recognition`); ``render`` and ``augment`` are read by the functions
+    below (the InkML renderer's and the augmentation's settings)."""
+
+    root: str | None = None
+    layout: str = "inkml"
+    train: str = "train"
+    val: str = "2014"
+    test: str = "2014"
+    render: dict[str, Any] = field(default_factory=dict)
+    cache: str | None = "default"
+    crop: bool = True
+    scale: float = 1.0
+    max_side: int = 0
+    bitmap_fit: bool = False
+    max_pixels: int = 320_000
+    max_len: int = 200
+    max_batch_pixels: int = 320_000
+    limit: dict[str, int] = field(default_factory=dict)
+    # random distortion of training items; empty = none (the reference's way): image space
+    # (tellkit.data.crohme.ImageAugment: rotate, shear, scale) and, for InkML, stroke space
+    # (tellkit.data.ink_augment.InkAugment: render_scale, ink_rotate, ..., substitute)
+    augment: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise TellkitError(f"data.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
+        for name in ("render", "augment", "limit"):
+            if not isinstance(getattr(self, name) or {}, Mapping):
+                raise TellkitError(f"data.{name} must be a mapping, got {getattr(self, name)!r}")
+        bad = sorted(set(self.limit) - set(SPLITS))
+        if bad:
+            raise TellkitError(f"data.limit: unknown split(s) {', '.join(bad)} (train|val|test)")
 
 
 def parse_augment(mapping: Mapping[str, Any] | None, where: str = "data.augment"):
@@ -42,21 +83,21 @@ def resolve_data_root(root: str | None) -> Path:
     return p
 
 
-def render_config(data: RecognitionData) -> RenderConfig:
+def render_config(data: RecognitionDataConfig) -> RenderConfig:
     return from_dict(RenderConfig, data.render or {}, "data.render")
 
 
-def cache_dir(data: RecognitionData) -> Path | None:
+def cache_dir(data: RecognitionDataConfig) -> Path | None:
     if data.cache in (None, "", "none", False):
         return None
     return default_cache_dir() if data.cache == "default" else Path(data.cache).expanduser()
 
 
-def make_renderer(data: RecognitionData, root: Path | None = None) -> InkRenderer:
+def make_renderer(data: RecognitionDataConfig, root: Path | None = None) -> InkRenderer:
     return InkRenderer(render_config(data), cache_dir(data), root)
 
 
-def bitmap_kwargs(data: RecognitionData, trained_on_renders: bool = False) -> dict[str, Any]:
+def bitmap_kwargs(data: RecognitionDataConfig, trained_on_renders: bool = False) -> dict[str, Any]:
     """How :func:`tellkit.data.crohme.load_image` prepares a bitmap for this model. Bitmaps
     for a model trained on InkML renders (``trained_on_renders``, or ``bitmap_fit``) are
     brought to the renders' scale (the median ink component as large as a rendered median
@@ -71,7 +112,7 @@ def bitmap_kwargs(data: RecognitionData, trained_on_renders: bool = False) -> di
             "min_pen": float(rc.line_width), "margin": int(rc.margin)}
 
 
-def augmenter(data: RecognitionData) -> ImageAugment | None:
+def augmenter(data: RecognitionDataConfig) -> ImageAugment | None:
     """The training-image distortion of ``data.augment``, or None."""
     image, ink = parse_augment(data.augment, "data.augment")
     if ink is not None and data.layout != "inkml":
@@ -79,12 +120,12 @@ def augmenter(data: RecognitionData) -> ImageAugment | None:
     return image
 
 
-def ink_augmenter(data: RecognitionData) -> InkAugment | None:
+def ink_augmenter(data: RecognitionDataConfig) -> InkAugment | None:
     """The stroke-space distortion of ``data.augment`` (InkML training data), or None."""
     return parse_augment(data.augment, "data.augment")[1]
 
 
-def check(data: RecognitionData) -> RecognitionData:
+def check(data: RecognitionDataConfig) -> RecognitionDataConfig:
     """Fail early on settings only the data layer can check (``render``, ``augment``)."""
     render_config(data)
     augmenter(data)

@@ -2,8 +2,8 @@
 batch items. The feature cache (``tellkit features``, ``data.features``), training, evaluation,
 ``tellkit caption``, ``tellkit demo`` and the server all encode through :class:`EncoderBundle`.
 
-    bundle = EncoderBundle.for_recipe(recipe, contexts=("image", "article", "faces"))
-    # or, from the pieces: EncoderBundle(EncodersConfig(...), contexts, max_article_tokens=512)
+    bundle = EncoderBundle(EncodersConfig(...), contexts=("image", "article", "faces"), max_article_tokens=512)
+    # a captioning recipe's bundle: tellkit.tasks.captioning.CaptionProcessor.from_recipe
     items = bundle.encode([CaptionInput("id", image_path="photo.jpg", title="...", paragraphs=[...])])
     items[0]["image"]  float[N, C]     items[0]["faces"]  float[F, 512] (F <= cfg.max_faces)
     items[0]["article"] float[n_layers, L, D], items[0]["article_ids"] long[L]
@@ -36,16 +36,65 @@ from tellkit.recipes import (
     CONTEXT_POLICIES,
     DEFAULT_ARTICLE_ENCODER,
     DEFAULT_FACE_ENCODER,
+    DEFAULT_IMAGE_ENCODER,
     FACE_DIM,
+    IMAGE_FITS,
     MAX_FACES,
     OBJECT_DIM,
-    CaptionDataConfig,
-    EncodersConfig,
     section,
 )
 
 __all__ = ["CONTEXT_MODES", "CONTEXT_POLICIES", "DEFAULT_ARTICLE_ENCODER", "DEFAULT_FACE_ENCODER", "FACE_DIM",
            "MAX_FACES", "OBJECT_DIM", "CaptionInput", "EncoderBundle", "EncodersConfig"]
+
+ENCODER_MODES = ("frozen", "reference")  # encoders.mode
+DATASET_IMAGES = ("tellkit", "reference")  # encoders.dataset_images
+
+
+@dataclass
+class EncodersConfig:
+    """A recipe's ``encoders:`` section (unknown keys are refused)."""
+
+    # mobilenet_v2 | efficientnet_lite0 | efficientnet_lite1 | efficientnet_lite2 | resnet50 | resnet101 | resnet152
+    image: str = DEFAULT_IMAGE_ENCODER
+    image_weights: str | None = None  # None: the encoder's offline default; a file; "random"
+    image_fit: str = "crop"  # crop: short side + centre crop; squash: whole photo to a square
+    article: str | None = DEFAULT_ARTICLE_ENCODER  # HF name/folder, or static / static:NAME / glove:PATH
+    faces: str | None = DEFAULT_FACE_ENCODER  # facenet_casia (packaged) or another FaceNet with face_weights
+    face_weights: str | None = None  # a facenet-pytorch-layout state dict (e.g. VGGFace2)
+    face_standardization: str | None = None  # None: the face encoder's default
+    objects: str | None = None  # the detector the precomputed object vectors came from (none ships)
+    caption_tokenizer: str | None = None  # None: the packaged RoBERTa BPE
+    max_faces: int = MAX_FACES
+    # frozen: image and article encoders in eval mode, features cacheable (data.features);
+    # reference: as the Transform and Tell reference trained them (gradients off, but in train
+    # mode during training steps: BatchNorm batch statistics and running-stat updates, RoBERTa
+    # dropout), so features are computed in each step from the batch and never cached
+    mode: str = "frozen"
+    # how a data set's images are read: tellkit (EXIF-rotated, the encoder's resize filter) or
+    # reference (the pixels as stored, Lanczos resize, as the reference prepared them); a
+    # user's own photo is always EXIF-rotated
+    dataset_images: str = "tellkit"
+
+    def __post_init__(self) -> None:
+        if self.image_fit not in IMAGE_FITS:
+            raise TellkitError(f"encoders.image_fit must be one of {', '.join(IMAGE_FITS)}, got {self.image_fit!r}")
+        if self.mode not in ENCODER_MODES:
+            raise TellkitError(f"encoders.mode must be one of {', '.join(ENCODER_MODES)}, got {self.mode!r}")
+        if self.dataset_images not in DATASET_IMAGES:
+            raise TellkitError(f"encoders.dataset_images must be one of {', '.join(DATASET_IMAGES)}, "
+                               f"got {self.dataset_images!r}")
+        if int(self.max_faces) < 0:
+            raise TellkitError(f"encoders.max_faces must be >= 0, got {self.max_faces}")
+
+    @classmethod
+    def from_recipe(cls, sec: Mapping[str, Any] | EncodersConfig | None) -> EncodersConfig:
+        """An ``encoders`` section (a mapping, None, or already an EncodersConfig)."""
+        return section({"encoders": sec}, "encoders", cls)
+
+    @property
+    def article_is_packaged(self) -> bool:
+        return self.article in (None, "minilm", DEFAULT_ARTICLE_ENCODER)
 
 
 @dataclass
@@ -104,22 +153,6 @@ class EncoderBundle:
                                f"got {context_policy!r}")
         self.context_policy = context_policy  # tellkit.encoders.context: the reference's rules, or "cut"
         self.device = torch.device(device)
-
-    @classmethod
-    def for_recipe(cls, recipe: Mapping[str, Any], contexts: Sequence[str], *, context_mode: str | None = None,
-                   object_dim: int | None = None, **runtime: Any) -> EncoderBundle:
-        """The bundle a captioning recipe (or a checkpoint's stored sections) describes: its
-        ``encoders`` section, its ``data`` section's article context (``context``,
-        ``context_policy``, ``max_article_tokens``) and its model's ``object_dim``, for the
-        model's ``contexts``. ``context_mode`` / ``object_dim`` replace the recipe's;
-        ``runtime``: ``device``, ``shared_encoders``, ``memo``, ``face_max_side``."""
-        data = section(recipe, "data", CaptionDataConfig)
-        model = section(recipe, "model")
-        if object_dim is None:
-            object_dim = int(model.get("object_dim", OBJECT_DIM))
-        return cls(section(recipe, "encoders", EncodersConfig), contexts, max_article_tokens=data.max_article_tokens,
-                   context_mode=context_mode or data.context, context_policy=data.context_policy,
-                   object_dim=object_dim, **runtime)
 
     # -- the encoders (built on first use) ----------------------------------------------------
     def _shared(self, key: tuple, build):

@@ -1,11 +1,41 @@
-"""Inference pipelines: a trained checkpoint in, answers out. The CLI (``tellkit caption``,
-``tellkit recognize``, ``tellkit demo``, ...) and the HTTP server both call these; neither holds
-model code of its own.
+"""Inference pipelines: a trained checkpoint (or a packaged default) in, answers out. The
+commands (``tellkit caption``, ``recognize``, ``summarize``, ``demo``), the HTTP server and
+``tellkit.pipeline`` all run these; none holds model code of its own, and each runs its task's
+processor, the one evaluation uses.
 
-- :mod:`tellkit.pipelines.captioning`: image (+ article) -> caption with per-token attention.
-- :mod:`tellkit.pipelines.recognition`: handwritten-math image -> LaTeX (BTTR).
+- :mod:`tellkit.pipelines.base`: :class:`~tellkit.pipelines.base.Pipeline` (load,
+  preprocess / forward / postprocess, generation settings, dtype, ``info``).
+- :mod:`tellkit.pipelines.captioning`: photo (+ article) -> caption with per-token attention.
+- :mod:`tellkit.pipelines.recognition`: handwritten math (image, InkML, strokes) -> LaTeX.
 - :mod:`tellkit.pipelines.summarization`: transcript (+ video features) -> summary.
-- :mod:`tellkit.pipelines.base`: what every pipeline reports about its model (``info``).
 
-Modules are imported on demand: ``import tellkit.pipelines`` loads no model code.
+:func:`pipeline` picks one by task name (the command's name). Modules are imported on demand:
+``import tellkit.pipelines`` loads no model code.
 """
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import Any
+
+from tellkit.errors import TellkitError
+
+# task (the command's name) -> the module and class of its pipeline
+TASKS = {"caption": ("captioning", "CaptioningPipeline"), "recognize": ("recognition", "RecognitionPipeline"),
+         "summarize": ("summarization", "SummarizationPipeline")}
+
+
+def pipeline_class(task: str):
+    """The pipeline class of ``task`` ("caption", "recognize" or "summarize")."""
+    if task not in TASKS:
+        near = difflib.get_close_matches(str(task), TASKS, n=1)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        raise TellkitError(f"unknown task '{task}'{hint}; tasks: {', '.join(TASKS)}")
+    module, name = TASKS[task]
+    return getattr(importlib.import_module(f"tellkit.pipelines.{module}"), name)
+
+
+def pipeline(task: str, model: Any = None, device: Any = None, dtype: str | None = None, **options: Any):
+    """The ready-to-call pipeline of ``task`` with ``model`` (a checkpoint or run folder; None:
+    the packaged default); see :meth:`tellkit.pipelines.base.Pipeline.load`."""
+    return pipeline_class(task).load(model, device=device, dtype=dtype, **options)

@@ -1,27 +1,54 @@
-"""What every inference pipeline says about the model it runs: its ``info`` dict (family,
-checkpoint, trained or not, training progress), and JSON-safe scores."""
+"""One inference pipeline for every task: a trained checkpoint (or the packaged default) in,
+answers out. ``tellkit caption`` / ``recognize`` / ``summarize``, ``tellkit demo``, the server
+and ``tellkit.pipeline(task)`` all run a :class:`Pipeline`::
+
+    pipe = CaptioningPipeline.load()                       # the packaged default; or load("runs/x", dtype="bf16")
+    pipe("photo.jpg")["text"]                              # one input -> one result
+    [r["text"] for r in pipe(["a.jpg", "b.jpg"])]          # a list -> a list
+
+A pipeline is the task's :class:`~tellkit.tasks.processor.Processor` (the same object
+``tellkit evaluate`` uses, built from the recipe sections the checkpoint stores), the model, and
+its typed generation settings (the stored ``eval`` section with the overrides given to
+:meth:`Pipeline.load`). Inputs are read and checked first (:meth:`Pipeline.prepare`), then run
+in batches through :meth:`preprocess` (inputs to the model's batch), :meth:`forward` (the
+model's ``generate``, in autocast when a reduced ``dtype`` was asked for: weights stay float32)
+and :meth:`postprocess` (outputs to results: ``{"text": ..., extras}``; a result may carry any
+further fields). ``forward`` goes through :attr:`Pipeline.runtime` when one is set: another
+runtime (an exported graph, say) takes ``(batch, generation, **options)`` and returns what
+``model.generate`` would.
+
+``info`` says which model runs (task, family, checkpoint, trained or not, parameters), on which
+device, in which dtype (and why not the one asked for), with which generation settings.
+"""
 from __future__ import annotations
 
 import json
-import math
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+import torch
+
+from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
+from tellkit.errors import TellkitError
+from tellkit.recipes import GenerationSettings, eval_batch_size, packaged_default
+from tellkit.tasks.processor import Processor
+from tellkit.utils import precision as precisions
+
+log = logging.getLogger("tellkit")
+
+DTYPES = ("fp32", "bf16")  # what --dtype offers; tellkit.utils.precision also reads the long names
 
 
-def finite_or_none(x) -> float | None:
-    """JSON has no infinities: a search that found nothing scores -inf -> None."""
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def checkpoint_info(family: str, path: Path | str | None, meta: dict[str, Any],
+def checkpoint_info(family: str, path: Path | str | None, meta: Mapping[str, Any],
                     trained: bool | None = None) -> dict[str, Any]:
     """What /health and every response say about a model. A checkpoint counts as trained when
     the training loop wrote it (its metadata has a ``train`` section) unless told otherwise."""
     if trained is None:
         trained = bool(meta.get("train")) or bool(meta.get("trained"))
     info = {"family": family, "checkpoint": str(path) if path else None, "trained": trained}
-    for key in ("task", "step", "tellkit_version", "weights_dtype", "note"):
+    for key in ("step", "tellkit_version", "weights_dtype", "note"):
         if key in meta:
             info[key] = meta[key]
     state = Path(path) / "trainer_state.json" if path else None
@@ -33,3 +60,158 @@ def checkpoint_info(family: str, path: Path | str | None, meta: dict[str, Any],
         except (OSError, ValueError):
             pass
     return info
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``device`` (None: the CPU) as a torch device, or a one-line error."""
+    try:
+        dev = torch.device(device or "cpu")
+    except (RuntimeError, TypeError) as exc:
+        raise TellkitError(f"device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TellkitError(f"device {device}: CUDA is not available here (use cpu)")
+    return dev
+
+
+def resolve_precision(device: torch.device, dtype: str | None) -> precisions.Precision:
+    """The compute precision ``device`` grants for ``dtype`` ('fp32' / 'bf16' or their long
+    names; None: float32); where it cannot, float32 with a ``note`` (logged)."""
+    if dtype is None:
+        return precisions.resolve(device, None)
+    try:
+        name = precisions.dtype_name(dtype)
+    except ValueError as exc:
+        raise TellkitError(f"dtype: {exc}") from None
+    granted = precisions.resolve(device, name)
+    if granted.note:
+        log.warning("%s", granted.note)
+    return granted
+
+
+class Pipeline:
+    """See the module docstring. Subclasses set :attr:`task`, :attr:`families` and
+    :attr:`processor_class`."""
+
+    task: ClassVar[str] = ""
+    families: ClassVar[tuple[str, ...]] = ()
+    processor_class: ClassVar[type[Processor]] = Processor
+    # options of Pipeline.load that configure the processor (the others are generation settings)
+    processor_options: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model, processor: Processor, generation: GenerationSettings, *,
+                 info: Mapping[str, Any] | None = None, device: str | torch.device = "cpu",
+                 precision: precisions.Precision | None = None, batch_size: int = 8):
+        self.model = model.eval()
+        self.processor = processor
+        self.generation = generation
+        self.device = torch.device(device)
+        self.precision = precision or precisions.resolve(self.device, None)
+        if isinstance(batch_size, bool) or int(batch_size) < 1:
+            raise TellkitError(f"batch size must be at least 1, got {batch_size}")
+        self.batch_size = int(batch_size)
+        # another runtime for forward: (batch, generation, **options) -> what model.generate returns
+        self.runtime: Callable[..., Mapping[str, Any]] | None = None
+        self.info: dict[str, Any] = {"name": getattr(model, "family", type(model).__name__),
+                                     "parameters": sum(p.numel() for p in model.parameters()), **(info or {}),
+                                     "task": self.task, "device": str(self.device), "dtype": self.precision.name}
+        if self.precision.note:
+            self.info["dtype_note"] = self.precision.note
+
+    # --- loading -------------------------------------------------------------------------------
+    @classmethod
+    def default_model(cls) -> Path:
+        """The packaged default checkpoint of the task (a one-line error when there is none)."""
+        path = packaged_default(cls.task) if cls.task in ("caption", "recognize") else None
+        if path is None:
+            raise TellkitError(f"no packaged default model for '{cls.task}' is installed: pass a checkpoint "
+                               "(model=DIR, --model DIR)")
+        return path
+
+    @classmethod
+    def load(cls, model: str | Path | None = None, device: str | torch.device | None = None,
+             dtype: str | None = None, **options: Any) -> Pipeline:
+        """A checkpoint folder (or a run folder of ``tellkit train``: its best checkpoint); None:
+        the packaged default. ``device``: cpu (default), cuda, cuda:N. ``dtype``: 'bf16' runs the
+        search in bfloat16 autocast where the device computes it natively (else float32 and a
+        note in ``info``); 'fp32' or None: float32. ``options``: generation settings
+        overriding the stored ones (``beam_size=3``; None keeps a stored value) and the task's
+        input options (:attr:`processor_options`)."""
+        proc_opts = {k: options.pop(k) for k in list(options) if k in cls.processor_options}
+        unknown = sorted(set(options) - set(cls.processor_class.generation_class.fields()))
+        if unknown:
+            known = ", ".join([*cls.processor_class.generation_class.fields(), *cls.processor_options])
+            raise TellkitError(f"{cls.task}: unknown option(s) {', '.join(unknown)}; known: {known}")
+        path = resolve_checkpoint(model if model is not None else cls.default_model(), follow_links=False)
+        meta = read_checkpoint_config(path)
+        if meta.get("family") not in cls.families:
+            raise TellkitError(f"{path}: holds a '{meta.get('family')}' model, not one for '{cls.task}' "
+                               f"({', '.join(cls.families)})")
+        dev = resolve_device(device)
+        granted = resolve_precision(dev, dtype)
+        generation = cls.processor_class.generation(meta, **options)
+        processor = cls.build_processor(meta, path, dev, **proc_opts)
+        net = load_model(path, map_location=dev).float()
+        processor.check(net, generation)
+        return cls(net, processor, generation, info=checkpoint_info(meta["family"], path, meta), device=dev,
+                   precision=granted, batch_size=cls.stored_batch_size(processor, meta))
+
+    @classmethod
+    def build_processor(cls, meta: Mapping[str, Any], path: Path, device: torch.device, **options: Any) -> Processor:
+        """The checkpoint's processor (:meth:`Processor.from_checkpoint`)."""
+        return cls.processor_class.from_checkpoint(meta, path, device=device, **options)
+
+    @staticmethod
+    def stored_batch_size(processor: Processor, meta: Mapping[str, Any]) -> int:
+        """Inputs per batch: the task's evaluation batch size (as ``tellkit evaluate``)."""
+        size = getattr(processor, "batch_size", None)
+        return int(size(meta)) if callable(size) else eval_batch_size(meta)
+
+    # --- running -------------------------------------------------------------------------------
+    def __call__(self, inputs: Any, *, batch_size: int | None = None, **options: Any):
+        """One input -> one result; a list of inputs -> a list of results (a tuple is one input:
+        an image and its article, a transcript and its video features)."""
+        single = not isinstance(inputs, list) or self.processor.is_input(inputs)
+        items = [inputs] if single else list(inputs)
+        results = self.run(items, batch_size=batch_size, **options)
+        return results[0] if single else results
+
+    def prepare(self, items: Sequence[Any]) -> list[Any]:
+        """Every input read and checked, before any model work."""
+        return [self.processor.prepare(x) for x in items]
+
+    def run(self, items: Sequence[Any], *, batch_size: int | None = None, **options: Any) -> list[dict[str, Any]]:
+        """Results for ``items`` in their order, computed in batches of at most ``batch_size``
+        (default: :attr:`batch_size`) as the processor groups them."""
+        size = self.batch_size if batch_size is None else batch_size
+        if isinstance(size, bool) or int(size) < 1:
+            raise TellkitError(f"batch size must be at least 1, got {size}")
+        prepared = self.prepare(items)
+        results: list[dict[str, Any] | None] = [None] * len(prepared)
+        for idx in self.processor.batches(prepared, int(size)):
+            batch = self.preprocess([prepared[i] for i in idx])
+            outputs = self.forward(batch, **self.generate_options(**options))
+            for i, res in zip(idx, self.postprocess(outputs, batch, **options)):
+                results[i] = res
+        return results  # type: ignore[return-value]
+
+    def preprocess(self, prepared: Sequence[Any]) -> dict[str, Any]:
+        """Prepared inputs -> the model's batch, its tensors on the model's device."""
+        batch = self.processor.collate(prepared, self.precision)
+        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+    def forward(self, batch: Mapping[str, Any], **extra: Any) -> Mapping[str, Any]:
+        """The model's ``generate`` with the pipeline's generation settings and ``extra`` keyword
+        arguments (or :attr:`runtime`)."""
+        if self.runtime is not None:
+            return self.runtime(batch, self.generation, **extra)
+        return self.processor.generate(self.model, batch, self.generation, self.precision, **extra)
+
+    def generate_options(self, **options: Any) -> dict[str, Any]:
+        """Keyword arguments of ``generate`` beyond the generation settings, from the call's
+        options (default: none; an unknown option is refused)."""
+        if options:
+            raise TellkitError(f"{self.task}: unknown option(s) {', '.join(sorted(options))}")
+        return {}
+
+    def postprocess(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], **options: Any) -> list[dict]:
+        return self.processor.decode(outputs, batch, **options)

@@ -36,7 +36,7 @@ from tellkit.data.inkml import MAX_COORDINATE
 from tellkit.decoding.runaway import stopping_runaways
 from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import Strokes
-from tellkit.server.backends import bound_generation, public_info
+from tellkit.server.backends import batch_function, bound_generation, public_info
 from tellkit.server.batching import BatchWorker, MemoryBudget, QueueFull
 from tellkit.server.budget import Cost, PrepareOnce, caption_cost, preparer, reads_faces, recognition_cost
 from tellkit.server.limits import Limits, RequestError, check_article, check_framing, decode_image, multipart_boundary
@@ -378,7 +378,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
 
 def _batch_fn(name: str, backend):
     """What the endpoint's worker calls with a batch of items."""
-    return backend.caption if name == "caption" else backend.recognize
+    return batch_function(name, backend)
 
 
 def _stopping_runaways(fn):

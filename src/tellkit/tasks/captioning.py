@@ -1,15 +1,17 @@
 """Captioning: binds Transform and Tell (Tran et al. 2020) and its baselines to caption data,
 the frozen encoders and caption metrics, for the generic trainer and ``tellkit evaluate``.
-Inference (``tellkit caption``, the server) lives in :mod:`tellkit.pipelines.captioning`.
+:class:`CaptionProcessor` is the task's one input path (photo and article in, batch out; generated
+ids out as captions), for evaluation and for every inference pipeline
+(:mod:`tellkit.pipelines.captioning`: ``tellkit caption``, the server, ``tellkit.pipeline``).
 
 Recipe sections read here, each a dataclass that refuses unknown keys (see ``configs/tat/*.yaml``):
 
-    encoders: EncodersConfig       (tellkit.recipes: image, article, faces, weights, ...)
+    encoders: EncodersConfig       (tellkit.encoders.bundle: image, article, faces, weights, ...)
     data:     CaptionDataConfig    {format: goodnews | nytimes800k | coco | flickr8k, root: PATH,
                context: location_aware | first_tokens | other_captions | none,
                context_policy: reference | cut, max_article_tokens: 512, max_caption_tokens: 510,
                features: DIR (cache; optional), limit, options, files}
-    eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (tellkit.recipes.CaptionGeneration),
+    eval:     CaptionEvalConfig    {beam_size: 1, max_len: 100, ... (CaptionGeneration),
                metrics: [bleu, meteor, rouge, cider], ner: true, ner_model: auto, monitor: loss, batch_size}
 
 Entity metrics name the spaCy pipeline that ran in ``task.eval_info`` (``tellkit evaluate`` writes
@@ -33,9 +35,13 @@ other captions and scored against its own caption only (the others are its input
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,20 +59,114 @@ from tellkit.data import load_captions
 from tellkit.data.batch import CaptionBatch, CaptionItem, collate_captions
 from tellkit.data.bucketing import bucket_batches
 from tellkit.data.sample import CaptionSample
-from tellkit.encoders.bundle import CaptionInput, EncoderBundle
+from tellkit.encoders.bundle import CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.encoders.features import FeatureConfig, FeatureStore, extract_features
+from tellkit.encoders.preprocess import load_image
 from tellkit.encoders.tokenizer import CaptionTokenizer
 from tellkit.encoders.weights import load_strict, read_state_dict
 from tellkit.errors import TellkitError
 from tellkit.metrics.caption import METRICS, score_captions_detailed
 from tellkit.metrics.linguistic import linguistic_scores
 from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores, resolve_model, train_proper_nouns
-from tellkit.recipes import CaptionDataConfig, CaptionEvalConfig, EncodersConfig, SelfCriticalConfig, section
-from tellkit.registry import model_contexts
+from tellkit.recipes import (
+    CAPTION_FORMATS,
+    CONTEXT_MODES,
+    CONTEXT_POLICIES,
+    OBJECT_DIM,
+    SPLITS,
+    GenerationSettings,
+    SelfCriticalConfig,
+    section,
+)
+from tellkit.registry import get_entry
 from tellkit.tasks import register_task
+from tellkit.tasks.processor import Processor, as_pil, finite_or_none, input_path, is_array, is_pil
 from tellkit.training.evaluation import to_device
 from tellkit.training.self_critical import SelfCritical
 from tellkit.training.task import Task
+
+NO_OBJECT_DETECTOR = "no object detector ships offline: the objects context of a new image is empty"
+
+
+# --- recipe sections --------------------------------------------------------------------------
+@dataclass
+class CaptionGeneration(GenerationSettings):
+    """How a captioner decodes (the ``generate`` keyword arguments of every captioning family)."""
+
+    max_len: int | None = None  # most generated tokens, EOS included; None: the model's own default
+    beam_size: int = 1  # 1 = greedy (the Transform and Tell reference decodes greedily)
+    length_penalty: float = 1.0  # a finished beam scores sum(log p) / length ** length_penalty
+    min_len: int = 1  # EOS is forbidden before this many tokens
+    no_repeat_ngram_size: int = 0  # >0: never repeat an n-gram of this size
+
+    def __post_init__(self) -> None:
+        self._check_search(min_len_low=1)
+
+
+@dataclass
+class CaptionDataConfig:
+    """A captioning recipe's ``data:`` section."""
+
+    format: str | None = None  # goodnews | nytimes800k | coco | flickr8k
+    root: str | None = None  # folder / archive / mongodb:// URI / JSON file; or --data
+    context: str = "location_aware"  # which article text the model reads (tellkit.encoders.context)
+    context_policy: str = "reference"  # reference (the paper's code) | cut (cut to the budget, one block per line)
+    max_article_tokens: int = 512  # the article encoder's budget, special tokens included
+    # caption BPE tokens kept for training / the teacher-forced loss, between <s> and </s> (the
+    # reference's caption indexer keeps 510); the decoder's sinusoidal positions have no fixed size
+    max_caption_tokens: int = 510
+    features: str | None = None  # feature-cache folder (optional)
+    limit: dict[str, int] | None = None  # e.g. {val: 250, test: 500}: the first N samples of a split
+    options: dict[str, Any] = field(default_factory=dict)  # keyword options of the data loader
+    files: dict[str, str] | None = None  # COCO: one annotation file per split (instead of root)
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in CAPTION_FORMATS:
+            raise TellkitError(f"data.format must be one of {', '.join(CAPTION_FORMATS)}, got {self.format!r}")
+        if self.context not in CONTEXT_MODES:
+            raise TellkitError(f"data.context must be one of {', '.join(CONTEXT_MODES)}, got {self.context!r}")
+        if self.context_policy not in CONTEXT_POLICIES:
+            raise TellkitError(f"data.context_policy must be one of {', '.join(CONTEXT_POLICIES)}, "
+                               f"got {self.context_policy!r}")
+        if int(self.max_article_tokens) < 3:
+            raise TellkitError(f"data.max_article_tokens must be at least 3, got {self.max_article_tokens}")
+        if isinstance(self.max_caption_tokens, bool) or int(self.max_caption_tokens) < 1:
+            raise TellkitError(f"data.max_caption_tokens must be at least 1, got {self.max_caption_tokens}")
+        for name in ("limit", "files", "options"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, Mapping):
+                raise TellkitError(f"data.{name} must be a mapping, got {v!r}")
+        bad = sorted(set(self.limit or {}) - set(SPLITS))
+        if bad:
+            raise TellkitError(f"data.limit: unknown split(s) {', '.join(map(str, bad))}; known: {', '.join(SPLITS)}")
+        self.options = dict(self.options or {})
+
+
+@dataclass
+class CaptionEvalConfig(CaptionGeneration):
+    """A captioning recipe's ``eval:`` section: the generation settings and how predictions are scored."""
+
+    metrics: list[str] | None = None  # None: every caption metric (bleu, meteor, rouge, cider)
+    ner: bool = True  # named-entity precision / recall (spaCy)
+    ner_model: str | None = None  # None: tellkit.metrics.ner.DEFAULT_MODEL
+    rare_proper_nouns: bool = True  # also score proper nouns unseen in training captions
+    # compare lower-cased text (the Flickr8k / COCO papers' convention); False: case kept, as the
+    # Transform and Tell reference scored news captions, where case marks names
+    lowercase: bool = False
+    monitor: str = "loss"  # the validation metric that selects the best checkpoint
+    batch_size: int | None = None  # None: train.batch_size
+
+
+def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """The contexts a captioner reads: its recipe section's ``contexts``, else its family's
+    default (Show and Tell: image only; Transform and Tell: image, article, faces)."""
+    if "contexts" in model_cfg:
+        return tuple(model_cfg["contexts"])
+    if model_cfg.get("name"):
+        fld = {f.name: f for f in dataclasses.fields(get_entry(model_cfg["name"]).config_cls)}.get("contexts")
+        if fld is not None and fld.default is not dataclasses.MISSING:
+            return tuple(fld.default)
+    return ("image", "article", "faces")
 
 
 # --- samples -> encoder inputs ---------------------------------------------------------------------
@@ -110,6 +210,172 @@ def dataset_inputs(fmt: str, root: str, split: str | None = None, limit: int | N
         raise TellkitError(f"{root}: no images in the {fmt} data" + (f" ({split} split)" if split else "")
                            + ("" if options.get("image_root", True) else "; pass --image-root"))
     return list(seen.values())
+
+
+# --- the processor: photo (+ article) -> batch; generated ids -> captions ------------------------
+def article_input(text: str, image=None, image_path: str | None = None, id: str = "input") -> CaptionInput:
+    """A pasted article as the bundle's input: paragraphs are the blocks between blank lines (or
+    the lines, when there are none); no title, no image position, so the model reads the
+    article from its start up to the encoder's token budget."""
+    text = (text or "").strip()
+    blocks = [b for b in re.split(r"\n\s*\n", text) if b.strip()]
+    if len(blocks) <= 1:
+        blocks = [b for b in text.splitlines() if b.strip()]
+    return CaptionInput(id, image_path=image_path, paragraphs=blocks, image=image)
+
+
+class CaptionProcessor(Processor):
+    """Photos (+ articles) -> captioning batches through one :class:`EncoderBundle` (the frozen
+    encoders the model was trained with); generated ids -> ``{"text": caption, "score", ...}``.
+
+    An input is an image (a path, a PIL image or an array), ``{"image": ..., "article": text}``,
+    an ``(image, article)`` pair, or a :class:`CaptionInput` (a data set's sample). With
+    ``details`` a result also holds ``tokens`` (each generated piece with its attention over
+    ``image`` grid cells, ``article`` tokens, ``faces`` and ``objects``), ``image_size``,
+    ``grid`` (rows, cols and the box of the original image the grid covers), ``faces``
+    (detected boxes), ``article_text`` (the context the model read), ``article_tokens`` (text
+    and character span of every article token) and, for models that read objects, ``objects``
+    (how many, and where they came from: no object detector ships, so for a new image the set
+    is empty and the result says so)."""
+
+    task = "caption"
+    generation_class = CaptionGeneration
+    eval_class = CaptionEvalConfig
+
+    def __init__(self, bundle: EncoderBundle, tokenizer: CaptionTokenizer | None = None,
+                 contexts: Sequence[str] | None = None):
+        self.bundle = bundle
+        self.contexts = tuple(contexts or bundle.contexts)
+        missing = [c for c in self.contexts if c not in bundle.contexts]
+        if missing:
+            raise TellkitError(f"the encoder bundle does not give the model's context(s) {', '.join(missing)}")
+        self.tokenizer = tokenizer or CaptionTokenizer.load(bundle.config.caption_tokenizer)
+
+    @staticmethod
+    def recipe_bundle(recipe: Mapping[str, Any], contexts: Sequence[str], *, context_mode: str | None = None,
+                      object_dim: int | None = None, **runtime: Any) -> EncoderBundle:
+        """The bundle a captioning recipe (or a checkpoint's stored sections) describes: its
+        ``encoders`` section, its ``data`` section's article context (``context``,
+        ``context_policy``, ``max_article_tokens``) and its model's ``object_dim``, for the
+        model's ``contexts``. ``context_mode`` / ``object_dim`` replace the recipe's;
+        ``runtime``: ``device``, ``shared_encoders``, ``memo``, ``face_max_side``."""
+        data = section(recipe, "data", CaptionDataConfig)
+        if object_dim is None:
+            object_dim = int(section(recipe, "model").get("object_dim", OBJECT_DIM))
+        return EncoderBundle(section(recipe, "encoders", EncodersConfig), contexts,
+                             max_article_tokens=data.max_article_tokens, context_mode=context_mode or data.context,
+                             context_policy=data.context_policy, object_dim=object_dim, **runtime)
+
+    @classmethod
+    def from_checkpoint(cls, meta, path, *, device=None, shared_encoders: dict | None = None,
+                        face_max_side: int | None = None) -> CaptionProcessor:
+        """A checkpoint's processor: its encoders, article context and the model's contexts (a
+        model that reads no article gets no article context)."""
+        contexts = model_contexts({"name": meta["family"], **(meta.get("config") or {})})
+        recipe = {**meta, "model": {"name": meta["family"], **(meta.get("config") or {})}}
+        bundle = cls.recipe_bundle(recipe, contexts, context_mode=None if "article" in contexts else "none",
+                                   device=device or "cpu", shared_encoders=shared_encoders,
+                                   face_max_side=face_max_side)
+        return cls(bundle, contexts=contexts)
+
+    def check(self, model, generation) -> None:
+        """The model reads these contexts, at the sizes these encoders give."""
+        missing = [c for c in model.config.contexts if c not in self.bundle.contexts]
+        if missing:
+            raise TellkitError(f"the encoder bundle does not give the model's context(s) {', '.join(missing)}")
+        self.bundle.check_model(model.config)
+
+    @property
+    def reads_articles(self) -> bool:
+        return self.bundle.reads_articles
+
+    # --- input ---------------------------------------------------------------------------------
+    def prepare(self, item: Any) -> CaptionInput:
+        if isinstance(item, CaptionInput):
+            return item
+        article = ""
+        if isinstance(item, Mapping):
+            unknown = sorted(set(item) - {"image", "article"})
+            if unknown or "image" not in item:
+                raise TellkitError("caption: an input mapping has 'image' and optionally 'article'"
+                                   + (f" (unknown: {', '.join(map(str, unknown))})" if unknown else ""))
+            item, article = item["image"], item.get("article") or ""
+        elif isinstance(item, tuple) and len(item) == 2:
+            item, article = item
+        if not isinstance(article, str):
+            raise TellkitError(f"caption: an article is text, got {type(article).__name__}")
+        text = article if self.reads_articles else ""
+        path = input_path(item)
+        if path is not None:  # the safe decoder: header checked first, EXIF orientation applied
+            return article_input(text, image=load_image(path), id=str(path))
+        if is_array(item):
+            item = as_pil(item, "caption")
+        if not is_pil(item):
+            raise TellkitError(f"caption: expected an image path, a PIL image or an array, got {type(item).__name__}")
+        return article_input(text, image=item.convert("RGB") if item.mode != "RGB" else item)
+
+    def encode(self, inputs: Sequence[CaptionInput], *, details: bool = False, precision=None) -> list[dict[str, Any]]:
+        """The context tensors of each input (float32), through the bundle, in ``precision``."""
+        with torch.no_grad(), (precision.autocast() if precision is not None else contextlib.nullcontext()):
+            items = self.bundle.encode(list(inputs), details=details)
+        for it in items:  # features computed in a reduced precision are stored as float32
+            for k, v in it.items():
+                if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float32:
+                    it[k] = v.float()
+        return items
+
+    def collate_items(self, items: Sequence[CaptionItem]) -> CaptionBatch:
+        return collate_captions(items, self.contexts, self.tokenizer.pad_id)
+
+    def collate(self, prepared, precision=None) -> dict[str, Any]:
+        encoded = self.encode(prepared, details=True, precision=precision)
+        batch = dict(self.collate_items(encoded))
+        batch["encoded"] = encoded
+        return batch
+
+    # --- output --------------------------------------------------------------------------------
+    def texts(self, outputs: Mapping[str, Any]) -> list[str]:
+        return [self.tokenizer.decode(toks).strip() for toks in outputs["tokens"]]
+
+    def decode(self, outputs, batch, details: bool = True, **options) -> list[dict[str, Any]]:
+        texts = self.texts(outputs)
+        if not details:
+            return [{"text": t, "score": finite_or_none(s)} for t, s in zip(texts, outputs["scores"])]
+        tf = self.bundle.image_encoder.preprocess
+        results = []
+        for b, (enc, toks) in enumerate(zip(batch["encoded"], outputs["tokens"])):
+            im = enc["pil"]
+            attn = outputs["attention"][b]
+            pieces = [{"id": int(t), "text": self.tokenizer.decode([t]),
+                       "attention": {k: [round(float(x), 5) for x in v] for k, v in attn[i].items()}}
+                      for i, t in enumerate(toks)]
+            n_cells = enc["image"].shape[0] if "image" in enc else 0
+            side = int(round(math.sqrt(n_cells)))
+            rows, cols = (side, side) if side * side == n_cells else (1, n_cells)
+            res = {
+                "text": texts[b],
+                "score": finite_or_none(outputs["scores"][b]),
+                "tokens": pieces,
+                "image_size": [im.width, im.height],
+                "grid": {"rows": rows, "cols": cols, "box": tf.kept_box(im.width, im.height)},
+                "faces": _face_boxes(enc),
+                "article_text": enc.get("article_text", ""),  # the context the model read (cut to the budget)
+                "article_tokens": [{"text": tok, "start": s, "end": e} for tok, (s, e)
+                                   in zip(enc.get("article_tokens", []), enc.get("article_offsets", []))],
+            }
+            if "objects" in self.contexts:
+                source = enc.get("objects_source", "none")
+                res["objects"] = {"count": int(enc["objects"].shape[0]), "source": source,
+                                  **({"note": NO_OBJECT_DETECTOR} if source == "none" else {})}
+            results.append(res)
+        return results
+
+
+def _face_boxes(enc: dict[str, Any]) -> list[dict[str, Any]]:
+    if enc.get("face_boxes") is None:
+        return []
+    return [{"box": [round(float(v), 1) for v in box], "score": round(float(s), 4)}
+            for box, s in zip(enc["face_boxes"].tolist(), enc["face_probs"].tolist())]
 
 
 # --- cached features: `tellkit features` shards (tellkit.encoders.features), one per split ----
@@ -224,7 +490,9 @@ class CaptioningTask(Task):
                                "each batch); remove data.features or set encoders.mode: frozen")
         self.monitor = self.eval.monitor
         self.monitor_mode = "min" if self.monitor == "loss" else "max"
+        self.generation = self.eval.generation
         self._bundle = bundle
+        self._processor: CaptionProcessor | None = None
         # what the scores were computed with, beside the numbers (``metrics_<split>.json``)
         self.eval_info: dict[str, Any] = {}
 
@@ -233,10 +501,16 @@ class CaptioningTask(Task):
         return CaptionTokenizer.load(self.encoders.caption_tokenizer)
 
     @property
+    def processor(self) -> CaptionProcessor:
+        """The task's input path: the recipe's encoders (or the ``bundle`` given), built on first use."""
+        if self._processor is None:
+            bundle = self._bundle or CaptionProcessor.recipe_bundle(self.recipe, self.contexts)
+            self._processor = CaptionProcessor(bundle, self.tokenizer, self.contexts)
+        return self._processor
+
+    @property
     def bundle(self) -> EncoderBundle:
-        if self._bundle is None:
-            self._bundle = EncoderBundle.for_recipe(self.recipe, self.contexts)
-        return self._bundle
+        return self.processor.bundle
 
     # -- data ------------------------------------------------------------------------------
     def load_samples(self, split: str) -> list[CaptionSample]:
@@ -279,7 +553,8 @@ class CaptioningTask(Task):
 
     def encode_sample(self, s: CaptionSample) -> CaptionItem:
         """Context tensors of one sample with the frozen encoders (no cache)."""
-        return self.bundle.encode([sample_input(s, self.data.context)])[0]  # type: ignore[return-value]
+        return self.processor.encode([sample_input(s, self.data.context)],  # type: ignore[return-value]
+                                     precision=self.precision)[0]
 
     @property
     def encodes_in_step(self) -> bool:
@@ -318,7 +593,7 @@ class CaptioningTask(Task):
     def collate(self, samples: list[CaptionItem]) -> CaptionBatch:
         if self.encodes_in_step:  # the items, encoded by on_device
             return {"items": list(samples)}  # type: ignore[return-value]
-        return collate_captions(samples, self.contexts, self.tokenizer.pad_id)
+        return self.processor.collate_items(samples)
 
     def on_device(self, batch, model):
         """With ``encoders.mode: reference``: the batch's images and articles through the
@@ -358,9 +633,10 @@ class CaptioningTask(Task):
 
     # -- evaluation ---------------------------------------------------------------------------
     def predict(self, model, batch):
-        out = model.generate(batch, **self.eval.kwargs())
-        return [{"id": i, "image_id": iid, "prediction": self.tokenizer.decode(toks).strip(), "references": refs}
-                for i, iid, toks, refs in zip(batch["ids"], batch["image_ids"], out["tokens"], batch["references"])]
+        out = self.processor.generate(model, batch, self.generation, self.precision)
+        return [{"id": i, "image_id": iid, "prediction": text, "references": refs}
+                for i, iid, text, refs in zip(batch["ids"], batch["image_ids"], self.processor.texts(out),
+                                              batch["references"])]
 
     @functools.cached_property
     def ner_model(self) -> str:

@@ -1,7 +1,8 @@
 """Handwritten math recognition (BTTR on CROHME) for the generic trainer and evaluator.
 
-Recipe sections read here (``configs/bttr/*.yaml``), typed as :class:`RecognitionData` and
-:class:`RecognitionEval` (an unknown key is an error)::
+Recipe sections read here (``configs/bttr/*.yaml``), typed as
+:class:`~tellkit.data.recognition.RecognitionDataConfig` and :class:`RecognitionEvalConfig` (an
+unknown key is an error)::
 
     data:
       root: /data/crohme_inkml      # required: the recipe, `--data`, or `data.root=...`
@@ -26,21 +27,156 @@ Recipe sections read here (``configs/bttr/*.yaml``), typed as :class:`Recognitio
            batch_size: 16}                 # images per search batch (val/test; no pixel cap)
 
 The model is validated (and selected, and its lr reduced on plateau) on ExpRate.
+
+:class:`RecognitionProcessor` is the task's one input path: InkML files and pen strokes go
+through the renderer of the training data, bitmaps through the bitmap loader (for a model
+trained on InkML renders, brought to the renders' scale); searches are run by size-sorted
+batches with the whole stored search setting (:class:`RecognitionGeneration`), for evaluation,
+``tellkit recognize``, the server and ``tellkit.pipeline("recognize")`` alike.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from tellkit.data.crohme import CrohmeDataset, collate, load_split, size_batches
+from tellkit.data.crohme import CrohmeDataset, collate, load_image, load_split, render_square, size_batches
+from tellkit.data.inkml import read_inkml
 from tellkit.data.latex import Vocab
-from tellkit.data.recognition import augmenter, bitmap_kwargs, check, ink_augmenter, make_renderer, resolve_data_root
+from tellkit.data.recognition import (
+    RecognitionDataConfig,
+    augmenter,
+    bitmap_kwargs,
+    check,
+    ink_augmenter,
+    make_renderer,
+    resolve_data_root,
+)
 from tellkit.errors import TellkitError
 from tellkit.metrics.exprate import edit_distance, exprate
-from tellkit.recipes import RecognitionData, RecognitionEval, section
+from tellkit.recipes import GenerationSettings, known_keys, section
 from tellkit.tasks import register_task
+from tellkit.tasks.processor import Processor, as_pil, finite_or_none, input_path, is_array, is_pil
 from tellkit.training.task import Task
+
+# a bitmap larger than this is refused before it is decoded (decompression bombs)
+MAX_INPUT_PIXELS = 40_000_000
+
+
+@dataclass
+class RecognitionGeneration(GenerationSettings):
+    """How a BTTR model searches: the joint bidirectional beam search (``model.generate``)."""
+
+    beam_size: int = 10
+    max_len: int = 200
+    alpha: float = 1.0  # length normalisation exponent
+    bidirectional: bool = True
+    rescore: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_len is None:
+            raise TellkitError("generation: max_len must be a whole number, got None")
+        self._check_search()
+
+
+@dataclass
+class RecognitionEvalConfig(RecognitionGeneration):
+    """A recognition recipe's ``eval:`` section: the search settings and the search batch size."""
+
+    batch_size: int = 16  # images per search batch (val/test; no pixel cap)
+
+
+class Strokes(list):
+    """Pen strokes to recognise as one input: a list of strokes, each a list of (x, y) points (y down)."""
+
+
+class RecognitionProcessor(Processor):
+    """Handwritten-math inputs -> BTTR batches (``image`` [B, 1, H, W], ``image_mask``); the joint
+    search's output -> ``{"text": LaTeX tokens joined by spaces, "tokens", "score"}``."""
+
+    task = "recognize"
+    generation_class = RecognitionGeneration
+    eval_class = RecognitionEvalConfig
+
+    def __init__(self, data: RecognitionDataConfig | None = None, vocab: Vocab | None = None):
+        self.data = check(data or RecognitionDataConfig())
+        self.vocab = vocab or Vocab()
+        # InkML and strokes: the training data's renderer (no disk cache for one-off inputs)
+        self.renderer = make_renderer(dataclasses.replace(self.data, cache=None))
+        # bitmaps: as the training bitmaps were prepared, or brought to the renders' scale
+        self.bitmap = {**bitmap_kwargs(self.data, trained_on_renders=self.data.layout == "inkml"),
+                       "require_ink": True}
+
+    @classmethod
+    def from_checkpoint(cls, meta, path, *, device=None, stroke_size: float | None = None) -> RecognitionProcessor:
+        """``stroke_size``: read at this median stroke size in pixels instead of the stored
+        ``data.render.stroke_size`` (models trained on InkML renders only)."""
+        data = known_keys(meta.get("data"), RecognitionDataConfig)
+        if stroke_size is not None:
+            if data.get("layout", RecognitionDataConfig.layout) != "inkml":
+                raise TellkitError(f"stroke_size: {path} was trained on bitmaps, not on InkML renders; "
+                                   "it reads images at their own size")
+            data["render"] = {**(data.get("render") or {}), "stroke_size": stroke_size}
+        return cls(section({"data": data}, "data", RecognitionDataConfig, "checkpoint data"))
+
+    @classmethod
+    def stored_eval(cls, meta: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The keys of the stored ``eval`` section this version knows."""
+        return known_keys(meta.get("eval"), RecognitionEvalConfig)
+
+    def batch_size(self, meta: Mapping[str, Any]) -> int:
+        """Images per search batch: the stored ``eval.batch_size`` (as ``tellkit evaluate``)."""
+        return int(section({"eval": self.stored_eval(meta)}, "eval", RecognitionEvalConfig, "checkpoint eval")
+                   .batch_size)
+
+    # --- input ---------------------------------------------------------------------------------
+    def is_input(self, x: Any) -> bool:
+        return isinstance(x, Strokes)
+
+    def prepare(self, item: Any):
+        """An ``.inkml`` file, :class:`Strokes`, a bitmap file, a PIL image or an array ->
+        float [1, H, W] (ink 1, background 0)."""
+        path = input_path(item)
+        if path is not None and path.suffix.lower() == ".inkml":
+            item = Strokes(read_inkml(path).strokes)
+        if isinstance(item, Strokes):
+            if self.data.layout == "inkml":  # the renderer of the model's training data
+                return self.renderer.strokes_tensor(item)
+            # a model trained on bitmaps: draw the strokes like those bitmaps (256 x 256 squares)
+            return load_image(image=render_square([[tuple(p[:2]) for p in s] for s in item]), **self.bitmap)
+        if path is not None:
+            if path.is_dir():
+                raise TellkitError(f"{path}: is a folder; pass image or InkML files")
+            return load_image(path, max_pixels=MAX_INPUT_PIXELS, **self.bitmap)
+        if is_array(item):
+            item = as_pil(item, "recognize")
+        if not is_pil(item):
+            raise TellkitError(f"recognize: expected an image or InkML file path, a PIL image, an array or Strokes, "
+                               f"got {type(item).__name__}")
+        return load_image(image=item, max_pixels=MAX_INPUT_PIXELS, **self.bitmap)
+
+    def batches(self, prepared: Sequence[Any], batch_size: int) -> list[list[int]]:
+        """Images of similar size together (as evaluation batches them: less padding)."""
+        return size_batches([tuple(t.shape[-2:]) for t in prepared], batch_size, 0)
+
+    def collate(self, prepared, precision=None) -> dict[str, Any]:
+        return collate([{"image": t, "labels": [], "id": str(i), "tokens": []} for i, t in enumerate(prepared)],
+                       self.vocab.pad)
+
+    # --- the model and its output ------------------------------------------------------------------
+    def call_generate(self, model, batch, kwargs):
+        return model.generate(batch["image"], batch["image_mask"], **kwargs)
+
+    def decode(self, outputs, batch, **options) -> list[dict[str, Any]]:
+        results = []
+        for toks, score in zip(outputs["tokens"], outputs["scores"]):
+            words = self.vocab.decode(toks)
+            results.append({"text": " ".join(words), "tokens": words, "score": finite_or_none(score)})
+        return results
 
 
 @register_task("recognition")
@@ -53,10 +189,12 @@ class RecognitionTask(Task):
 
     def __init__(self, recipe):
         super().__init__(recipe)
-        self.data = check(section(self.recipe, "data", RecognitionData))
-        self.eval = section(self.recipe, "eval", RecognitionEval)
+        self.data = check(section(self.recipe, "data", RecognitionDataConfig))
+        self.eval = section(self.recipe, "eval", RecognitionEvalConfig)
+        self.generation = self.eval.generation
         self.batch_size = int(section(self.recipe, "train").get("batch_size", 8))
-        self.vocab = Vocab()
+        self.processor = RecognitionProcessor(self.data)
+        self.vocab = self.processor.vocab
         self.skipped: dict[str, dict[str, int]] = {}  # split -> reason -> files skipped
 
     # --- data -------------------------------------------------------------------------------
@@ -102,13 +240,12 @@ class RecognitionTask(Task):
 
     # --- evaluation -------------------------------------------------------------------------
     def predict(self, model, batch):
-        out = model.generate(batch["image"], batch["image_mask"], **self.eval.kwargs())
+        out = self.processor.generate(model, batch, self.generation, self.precision)
         preds = []
-        for i, (toks, score) in enumerate(zip(out["tokens"], out["scores"])):
-            hyp = self.vocab.decode(toks)
-            ref = list(batch["tokens"][i])
-            preds.append({"id": batch["ids"][i], "prediction": " ".join(hyp), "reference": " ".join(ref),
-                          "score": score, "distance": edit_distance(hyp, ref), "correct": hyp == ref})
+        for i, res in enumerate(self.processor.decode(out, batch)):
+            hyp, ref = res["tokens"], list(batch["tokens"][i])
+            preds.append({"id": batch["ids"][i], "prediction": res["text"], "reference": " ".join(ref),
+                          "score": res["score"], "distance": edit_distance(hyp, ref), "correct": hyp == ref})
         return preds
 
     def score(self, predictions):

@@ -41,6 +41,9 @@ class Task:
     # progress bars for long work the task does itself (e.g. a feature cache built while a
     # dataset is built); the trainer and the evaluator set it from their --no-progress
     progress: bool = True
+    # the compute precision of generation in evaluation (a tellkit.utils.precision.Precision:
+    # ``tellkit evaluate --dtype``); None: float32
+    precision = None
 
     def __init__(self, recipe: Mapping[str, Any]):
         self.recipe = dict(recipe)  # the resolved recipe: task, model, data, train, eval sections

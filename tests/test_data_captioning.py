@@ -342,3 +342,44 @@ def test_flickr8k_recipe_reads_the_data_given_to_it(shared_data):
     r = deep_merge(load_yaml("tat/flickr8k_small"), {"data": {"root": str(shared_data / "flickr8k")}})
     val = CaptioningTask(r).load_samples("val")
     assert len({s.image_id for s in val}) == 1000 and all(Path(s.image_path).is_file() for s in val[:5])
+
+
+def test_the_real_goodnews_sample_reads_and_becomes_a_batch(shared_data, tmp_path):
+    """GoodNews' own release format (5 New York Times articles, 12 photos, no split file): the
+    loader reads every non-empty caption, cleaned, with its article and photo; the captioning
+    processor (the one evaluation and the pipelines use) turns the samples into a batch a
+    Transform and Tell reads."""
+    import torch
+
+    from tellkit.encoders.bundle import EncoderBundle, EncodersConfig
+    from tellkit.registry import create_model
+    from tellkit.tasks.captioning import CaptionGeneration, CaptionProcessor, sample_input
+
+    root = shared_data / "goodnews_sample"
+    samples = load_goodnews(root)
+    assert len(samples) == 10  # 12 photos, 2 with an empty caption
+    # one article has only an empty caption
+    assert len({s.article_id for s in samples}) == 4 and all(Path(s.image_path).is_file() for s in samples)
+    by_id = {s.id: s for s in samples}
+    zuck = by_id["54453eab38f0d832c813e7f5_0"]
+    assert zuck.caption == "Mark Zuckerberg is the chief executive of Facebook."  # stripped of its blank lines
+    assert zuck.title and zuck.paragraphs and zuck.split is None and zuck.extra["url"].startswith("http")
+    assert any("Leroy Smith" in s.caption for s in samples)
+    assert all("[" not in s.caption and "<" not in s.caption for s in samples)
+    with pytest.raises(TellkitError, match="img_splits.json"):
+        load_goodnews(root, "test")
+
+    contexts = ("image", "article")
+    proc = CaptionProcessor(EncoderBundle(EncodersConfig(), contexts, max_article_tokens=64), contexts=contexts)
+    items = [proc.prepare(sample_input(s)) for s in samples[:4]]
+    batch = proc.collate(items)
+    assert batch["image"].shape[:2] == (4, 49) and batch["image_mask"].all()
+    assert batch["article"].shape[0] == 4 and batch["article"].shape[2] <= 64
+    # every article is read from its title on, up to the budget; shorter ones are padded and masked
+    lengths = batch["article_mask"].sum(1).tolist()
+    assert all(3 < n <= 64 for n in lengths)
+    assert all(e["article_text"].startswith(s.title) for e, s in zip(batch["encoded"], samples[:4]))
+    torch.manual_seed(0)
+    model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, contexts=list(contexts))
+    out = proc.generate(model.eval(), batch, CaptionGeneration(max_len=5))
+    assert len(proc.decode(out, batch, details=False)) == 4

@@ -3,6 +3,7 @@
 - ``captioning_dataset.json``: article id -> ``{"article": text, "headline": {"main": ...},
   "images": {"<index>": caption, ...}, "article_url": ...}``
 - ``img_splits.json``: image file name (``<article id>_<index>.jpg``) -> train / val / test
+  (released beside the captions; without it every caption is read, with ``split=None``)
 - images: ``<root>/<images_dir>/<article id>_<index>.jpg``
 
 The split is per caption, so test captions can share an article with training captions (as
@@ -73,12 +74,18 @@ def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_d
                   objects: str | os.PathLike | None = None) -> list[CaptionSample]:
     root = Path(root)
     articles = _read_json(root / "captioning_dataset.json")
-    splits = _read_json(root / "img_splits.json")
-    if not isinstance(articles, dict) or not isinstance(splits, dict):
+    if (root / "img_splits.json").is_file():
+        splits = _read_json(root / "img_splits.json")
+    elif split is None:  # no split file: every caption, in no split
+        splits = None
+    else:
+        raise TellkitError(f"GoodNews: {root / 'img_splits.json'} not found (it names each image's split); "
+                           f"read without a split to load every caption")
+    if not isinstance(articles, dict) or not isinstance(splits, (dict, type(None))):
         raise TellkitError(f"{root}: GoodNews files must hold JSON objects")
     img_dir = root / images_dir if images_dir else next((root / d for d in IMAGE_DIRS if (root / d).is_dir()), root)
     # keys of img_splits may carry the .jpg extension or not
-    split_of = {k[:-4] if k.endswith(".jpg") else k: v for k, v in splits.items()}
+    split_of = {k[:-4] if k.endswith(".jpg") else k: v for k, v in (splits or {}).items()}
     out: list[CaptionSample] = []
     for aid, art in articles.items():
         headline = art.get("headline") or {}
@@ -90,7 +97,7 @@ def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_d
             name = f"{aid}_{idx}"
             s = split_of.get(name)
             caption = clean_caption(caption or "") if clean_captions else (caption or "").strip()
-            if s is None or (split is not None and s != split) or not caption:
+            if (splits is not None and s is None) or (split is not None and s != split) or not caption:
                 continue
             out.append(CaptionSample(
                 id=name, caption=caption, image_path=str(img_dir / f"{name}.jpg"), image_id=name,

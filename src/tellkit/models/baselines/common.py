@@ -106,20 +106,22 @@ def sample(step_fn: Callable, state: dict[str, Any], batch_size: int, num_sample
                       temperature=temperature, generator=generator, device=device)
 
 
-def draw(step_fn: Callable, state: dict[str, Any], batch_size: int, num_samples: int, *, bos_id: int, eos_id: int,
-         pad_id: int, max_len: int, min_len: int = 1, temperature: float = 1.0, greedy: bool = False,
-         generator: torch.Generator | None = None, device=None) -> dict[str, Any]:
+def draw(step_fn: Callable, output: VocabOutput, state: dict[str, Any], batch_size: int, num_samples: int, *,
+         bos_id: int, eos_id: int, pad_id: int, max_len: int, min_len: int = 1, temperature: float = 1.0,
+         greedy: bool = False, generator: torch.Generator | None = None, device=None) -> dict[str, Any]:
     """``num_samples`` captions per input (rows of input b consecutive) drawn token by token with
-    ``step_fn(last_tokens, state) -> (log_probs [N, V], state)`` in the caller's mode and with
-    gradients, as self-critical training draws them (Rennie et al. 2017; the reference's
-    ``_sample``): a row stops when it draws EOS, or is cut after ``max_len`` tokens without one.
+    ``step_fn(last_tokens, state) -> (x [N, dim], state)`` and ``output`` (p(word | x)) in the
+    caller's mode and with gradients, as self-critical training draws them (Rennie et al. 2017;
+    the reference's ``_sample``): a row stops when it draws EOS, or is cut after ``max_len``
+    tokens without one.
 
     Each token is drawn from the model's distribution with PAD and BOS removed (and EOS before
     ``min_len`` tokens), renormalised, at ``temperature`` (``greedy``: its most likely token);
     ``log_probs`` [N, max_len] holds the drawn token's log-probability under that distribution
-    at temperature 1, from this pass (the graph kept: the same dropout masks that drew it), zero
-    after a row's end; ``mask`` [N, max_len] marks the drawn tokens, EOS included; ``tokens``:
-    the drawn ids without EOS; ``finished``: whether the row drew EOS."""
+    at temperature 1, from this pass (the graph kept: the same dropout masks that drew it; the
+    full distribution is built without a graph, the drawn and removed tokens' log-probabilities
+    with one), zero after a row's end; ``mask`` [N, max_len] marks the drawn tokens, EOS
+    included; ``tokens``: the drawn ids without EOS; ``finished``: whether the row drew EOS."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     N = batch_size * num_samples
@@ -131,16 +133,23 @@ def draw(step_fn: Callable, state: dict[str, Any], batch_size: int, num_samples:
     finished = [False] * N
     where, values = [], []
     for t in range(max_len):
-        lp, state = step_fn(last, state)
+        x, state = step_fn(last, state)
         banned = [pad_id] + ([bos_id] if bos_id != eos_id else []) + ([eos_id] if t + 1 < min_len else [])
-        lp = torch.log_softmax(lp.float().index_fill(1, torch.tensor(banned, device=lp.device), float("-inf")), -1)
         with torch.no_grad():
+            lp = output.log_probs(x).float()
+            lp[:, banned] = float("-inf")
             if greedy:
                 chosen = lp.argmax(-1)
-            else:
-                chosen = torch.multinomial(torch.softmax(lp / temperature, -1), 1, generator=generator).squeeze(1)
+            else:  # inverse CDF: one uniform number per row (multinomial draws one per word)
+                cdf = torch.softmax(lp / temperature, -1).cumsum(-1)
+                u = torch.rand(cdf.size(0), 1, generator=generator, device=cdf.device).clamp(min=1e-12)
+                chosen = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp(max=cdf.size(1) - 1)
+        n = chosen.numel()
+        ids = torch.cat([chosen, torch.tensor(banned, device=chosen.device).repeat_interleave(n)])
+        picked = output.target_log_probs(x.repeat(len(banned) + 1, 1), ids).view(len(banned) + 1, n)
+        removed = picked[1:].exp().sum(0).clamp(max=1.0 - 1e-6)
         where.append(alive * max_len + t)
-        values.append(lp.gather(1, chosen[:, None]).squeeze(1))
+        values.append(picked[0] - torch.log1p(-removed))
         done = chosen == eos_id
         for row, tok, end in zip(alive.tolist(), chosen.tolist(), done.tolist()):
             if end:

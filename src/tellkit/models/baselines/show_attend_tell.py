@@ -272,6 +272,10 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
         return out
 
     # -- generation ---------------------------------------------------------------------------
+    def _draw_step(self, last: torch.Tensor, s: dict):
+        deep, _, s = self.step(last, s)
+        return deep, s
+
     def _search_step(self, last: torch.Tensor, s: dict):
         deep, _, s = self.step(last, s)
         return self.out.log_probs(deep), s
@@ -300,7 +304,7 @@ class ShowAttendTell(nn.Module, PretrainedMixin):
             raise TellkitError("Show, Attend and Tell draws captions with soft attention only "
                                f"(model.attention is '{cfg.attention}')")
         s = self.encode(batch)
-        return draw(self._search_step, s, s["a"].size(0), num_samples, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
+        return draw(self._draw_step, self.out, s, s["a"].size(0), num_samples, bos_id=cfg.bos_id, eos_id=cfg.eos_id,
                     pad_id=cfg.pad_id, max_len=max_len or cfg.max_len, min_len=min_len, temperature=temperature,
                     generator=generator, greedy=greedy, device=s["a"].device)
 

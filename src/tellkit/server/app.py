@@ -644,6 +644,10 @@ def add_page(app) -> None:
             raise RequestError(404, "not_found", f"no sample called {name!r}; GET /api/samples lists them")
         return FileResponse(found[0], media_type=found[1])
 
+    @app.get("/favicon.ico", include_in_schema=False)  # where browsers and bookmarks look without a <link>
+    def favicon():
+        return FileResponse(STATIC_DIR / "favicon.ico", media_type="image/x-icon")
+
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 

@@ -1,8 +1,9 @@
-// tellkit demo page: talks only to this server's /health, /api/caption and /api/recognize.
+// tellkit demo page: talks only to this server's /health, /api/samples, /api/caption and /api/recognize.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const state = { caption: null, active: -1, captionFile: null, mathFile: null };
+// maxFieldChars / maxPoints: the server's limits on the pad's strokes, from /health
+const state = { caption: null, active: -1, captionFile: null, mathFile: null, maxFieldChars: 20000, maxPoints: 100000 };
 
 // ---------------------------------------------------------------- errors and status
 function showError(msg) {
@@ -11,6 +12,48 @@ function showError(msg) {
   el.hidden = false;
 }
 function clearError() { $("error").hidden = true; $("error").textContent = ""; }
+
+// A result that no longer answers what is on screen: greyed while a new request runs (or the
+// input changed), removed when a request fails, so an error is never shown beside an old answer.
+function staleResult(id) { $(id).classList.add("stale"); $(id).setAttribute("aria-busy", "true"); }
+function freshResult(id) { $(id).classList.remove("stale"); $(id).removeAttribute("aria-busy"); $(id).hidden = false; }
+function clearResult(id) {
+  freshResult(id);
+  $(id).hidden = true;
+  if (id === "caption-result") state.caption = null;
+}
+
+// The confidence (0..1) and the "unsure" flag, when the server sends them; nothing otherwise.
+function showConfidence(el, res, unsureText) {
+  const c = typeof res.confidence === "number" && Number.isFinite(res.confidence)
+    ? Math.min(1, Math.max(0, res.confidence)) : null;
+  const unsure = res.unsure === true;
+  el.textContent = "";
+  el.classList.toggle("unsure", unsure);
+  el.hidden = c === null && !unsure;
+  if (el.hidden) return;
+  if (c !== null) {
+    const meter = document.createElement("span");
+    meter.className = "meter";
+    meter.setAttribute("role", "meter");
+    meter.setAttribute("aria-valuemin", "0");
+    meter.setAttribute("aria-valuemax", "100");
+    meter.setAttribute("aria-valuenow", String(Math.round(100 * c)));
+    const bar = document.createElement("span");
+    bar.style.width = (100 * c).toFixed(1) + "%";
+    meter.appendChild(bar);
+    el.append("confidence", meter, `${Math.round(100 * c)}%`);
+  }
+  if (unsure) {
+    const flag = document.createElement("span");
+    flag.className = "flag";
+    flag.textContent = "unsure";
+    const why = document.createElement("span");
+    why.className = "why";
+    why.textContent = unsureText;
+    el.append(flag, why);
+  }
+}
 window.addEventListener("error", (e) => showError("Page error: " + e.message));
 window.addEventListener("unhandledrejection", (e) => showError("Page error: " + (e.reason && e.reason.message || e.reason)));
 
@@ -29,6 +72,9 @@ async function checkHealth() {
     const c = h.models.caption, m = h.models.math;
     st.textContent = `caption: ${describeModel(c)} | math: ${describeModel(m)}`;
     st.className = "status" + ([c, m].some((x) => x && !x.trained) ? " untrained" : "");
+    const lim = h.limits || {};
+    state.maxFieldChars = lim.max_stroke_chars || lim.max_article_chars || state.maxFieldChars;
+    state.maxPoints = lim.max_stroke_points || state.maxPoints;
     if (c && !(c.contexts || []).includes("article")) {
       $("article").placeholder = "The served captioning model does not read articles (image only): text here is ignored.";
     }
@@ -68,6 +114,7 @@ document.querySelectorAll(".tab").forEach((tab) => tab.addEventListener("click",
     t.setAttribute("aria-selected", on ? "true" : "false");
     $(t.dataset.panel).hidden = !on;
   });
+  clearError();  // an error belongs to the tab it came from
 }));
 
 // ---------------------------------------------------------------- file drop zones
@@ -82,24 +129,37 @@ function dropZone(zoneId, inputId, textId, onFile) {
   });
   return (f) => { $(textId).textContent = `${f.name} (${Math.round(f.size / 1024)} KiB)`; };
 }
-const captionLabel = dropZone("caption-drop", "caption-file", "caption-drop-text", (f) => { state.captionFile = f; captionLabel(f); });
-const mathLabel = dropZone("math-drop", "math-file", "math-drop-text", (f) => { state.mathFile = f; mathLabel(f); recognize(f); });
+const captionLabel = dropZone("caption-drop", "caption-file", "caption-drop-text", (f) => {
+  state.captionFile = f;
+  captionLabel(f);
+  if (state.caption) staleResult("caption-result");  // the result is for another image now
+});
+const mathLabel = dropZone("math-drop", "math-file", "math-drop-text", (f) => {
+  state.mathFile = f;
+  mathLabel(f);
+  clearPad();  // the pad's drawing is not what is read now
+  recognize(f);
+});
+const MATH_DROP_TEXT = $("math-drop-text").textContent;
+function resetMathFile() { $("math-file").value = ""; state.mathFile = null; $("math-drop-text").textContent = MATH_DROP_TEXT; }
 
 // ---------------------------------------------------------------- captioning
 $("caption-form").addEventListener("submit", async (e) => {
   e.preventDefault();
   clearError();
   const file = state.captionFile;
-  if (!file) { showError("Choose or drop an image first."); return; }
+  if (!file) { clearResult("caption-result"); showError("Choose or drop an image first."); return; }
   const form = new FormData();
   form.append("image", file, file.name);
   form.append("article", $("article").value);
   $("caption-submit").disabled = true;
   $("caption-busy").hidden = false;
+  staleResult("caption-result");
   try {
     const res = await postForm("/api/caption", form);
     await showCaption(res, file);
   } catch (err) {
+    clearResult("caption-result");
     showError("Captioning failed: " + err.message);
   } finally {
     $("caption-submit").disabled = false;
@@ -117,10 +177,10 @@ function loadImage(img, file) {
 }
 
 async function showCaption(res, file) {
+  await loadImage($("caption-image"), file);
   state.caption = res;
   state.active = -1;
-  $("caption-result").hidden = false;
-  await loadImage($("caption-image"), file);
+  freshResult("caption-result");
 
   const cap = $("caption");
   cap.textContent = "";
@@ -134,6 +194,8 @@ async function showCaption(res, file) {
     cap.appendChild(span);
   });
   if (!res.tokens.length) cap.textContent = "(the model produced an empty caption)";
+  showConfidence($("caption-confidence"), res, "This photo looks unlike what the model learned "
+    + "(Flickr8k: people, dogs, outdoor scenes): the caption may well be wrong.");
 
   renderArticle(res);
   let line = `model: ${describeModel(res.model)}; ${res.elapsed_ms} ms`;
@@ -260,8 +322,12 @@ function listFaces(res, weights) {
 window.addEventListener("resize", () => { if (state.caption) focusToken(state.active); });
 
 // ---------------------------------------------------------------- math: drawing pad
+// The pad draws in a fixed 640 x 200 space (its canvas size), whatever its size on screen:
+// pointer positions are scaled back into that space, so a stroke means the same to the model
+// on a phone as on a desktop.
 const pad = $("pad");
 const pctx = pad.getContext("2d");
+const INK = { lineWidth: 5, lineCap: "round", lineJoin: "round", strokeStyle: "#000" };
 function clearPad() {
   pctx.fillStyle = "#fff";
   pctx.fillRect(0, 0, pad.width, pad.height);
@@ -281,10 +347,11 @@ pad.addEventListener("pointerdown", (e) => {
   pctx.beginPath();
   pctx.moveTo(x, y);
   pctx.lineTo(x + 0.1, y + 0.1);
-  pctx.lineWidth = 5; pctx.lineCap = "round"; pctx.lineJoin = "round"; pctx.strokeStyle = "#000";
+  Object.assign(pctx, INK);
   pctx.stroke();
   state.inked = true;
   state.strokes.push([[x, y]]);
+  if (!$("math-result").hidden) staleResult("math-result");  // the drawing no longer matches it
 });
 pad.addEventListener("pointermove", (e) => {
   if (!drawing) return;
@@ -294,25 +361,65 @@ pad.addEventListener("pointermove", (e) => {
   state.strokes[state.strokes.length - 1].push([x, y]);
 });
 ["pointerup", "pointercancel"].forEach((ev) => pad.addEventListener(ev, () => { drawing = false; }));
-$("pad-clear").addEventListener("click", clearPad);
+$("pad-clear").addEventListener("click", () => { clearPad(); clearResult("math-result"); clearError(); });
 $("pad-recognize").addEventListener("click", () => {
-  if (!state.inked) { showError("Draw an expression first."); return; }
+  if (!state.inked) { clearResult("math-result"); showError("Draw an expression first."); return; }
   recognize(null, state.strokes);
 });
+
+// The strokes as sent: one decimal (a tenth of a pad pixel, far finer than the model's render),
+// repeated points dropped; points closer than `gap` pad pixels are thinned out as well when
+// the JSON would pass the server's limits (characters of the field, points in all).
+function wireStrokes(strokes, gap) {
+  return strokes.map((s) => {
+    const out = [];
+    for (const [x, y] of s) {
+      const p = [Math.round(10 * x) / 10, Math.round(10 * y) / 10];
+      const last = out[out.length - 1];
+      if (!last || Math.hypot(p[0] - last[0], p[1] - last[1]) > gap) out.push(p);
+    }
+    const end = s[s.length - 1];  // keep where the stroke ends
+    const e = [Math.round(10 * end[0]) / 10, Math.round(10 * end[1]) / 10];
+    const last = out[out.length - 1];
+    if (last[0] !== e[0] || last[1] !== e[1]) out.push(e);
+    return out;
+  });
+}
+function strokesField(strokes) {
+  for (const gap of [0, 1, 2, 3, 5]) {
+    const wire = wireStrokes(strokes, gap);
+    const text = JSON.stringify(wire);
+    if (text.length <= state.maxFieldChars && wire.flat().length <= state.maxPoints) return text;
+  }
+  return null;
+}
 
 async function recognize(file, strokes) {
   clearError();
   const form = new FormData();
-  if (strokes) form.append("strokes", JSON.stringify(strokes));
-  else form.append("image", file, file.name);
+  if (strokes) {
+    const text = strokesField(strokes);
+    if (text === null) {
+      clearResult("math-result");
+      showError("This drawing has more points than the server accepts; clear the pad and draw it again.");
+      return;
+    }
+    form.append("strokes", text);
+  } else {
+    form.append("image", file, file.name);
+  }
   $("math-busy").hidden = false;
+  staleResult("math-result");
   try {
     const res = await postForm("/api/recognize", form);
-    $("math-result").hidden = false;
+    freshResult("math-result");
     $("latex").textContent = res.latex;
     renderLatex(res.latex);
+    showConfidence($("math-confidence"), res, "This looks unlike the handwriting the model learned "
+      + "(CROHME expressions): the LaTeX may well be wrong.");
     $("math-model-line").textContent = `model: ${describeModel(res.model)}; score ${res.score === null ? "n/a" : res.score.toFixed(3)}; ${res.elapsed_ms} ms`;
   } catch (err) {
+    clearResult("math-result");
     showError("Recognition failed: " + err.message);
   } finally {
     $("math-busy").hidden = true;
@@ -335,6 +442,11 @@ function renderLatex(latex) {
 }
 
 // ---------------------------------------------------------------- packaged samples, one click away
+const SAMPLE_GROUPS = {
+  inside: "Photos like those the model learned (people, dogs, outdoor scenes):",
+  outside: "Photos unlike them (expect a wrong caption):",
+};
+
 async function loadSamples() {
   let index;
   try {
@@ -343,31 +455,59 @@ async function loadSamples() {
     index = await r.json();
   } catch (_) { return; }
   const strip = $("caption-samples");
-  (index.caption || []).forEach((s) => {
-    const b = document.createElement("button");
-    b.type = "button";
-    b.className = "sample";
-    b.title = s.article ? `${s.name} (with its article)` : s.name;
-    b.dataset.sample = s.name;
-    const img = document.createElement("img");
-    img.src = s.url;
-    img.alt = s.name;
-    b.appendChild(img);
-    b.addEventListener("click", () => captionSample(s));
-    strip.appendChild(b);
-  });
-  strip.hidden = !(index.caption || []).length;
-  const math = (index.math || [])[0];
-  if (math) {
-    const b = $("math-sample");
-    b.hidden = false;
-    b.title = `${math.name}: pen strokes of ${math.latex}`;
-    b.addEventListener("click", () => mathSample(math));
+  const photos = index.caption || [];
+  for (const domain of [...Object.keys(SAMPLE_GROUPS), undefined]) {
+    const these = photos.filter((s) => (domain ? s.domain === domain : !(s.domain in SAMPLE_GROUPS)));
+    if (!these.length) continue;
+    const group = document.createElement("div");
+    group.className = "sample-group";
+    group.dataset.domain = domain || "other";
+    const title = document.createElement("span");
+    title.className = "samples-title";
+    title.textContent = domain ? SAMPLE_GROUPS[domain] : "Sample photos:";
+    group.appendChild(title);
+    these.forEach((s) => group.appendChild(sampleButton(s)));
+    strip.appendChild(group);
   }
+  strip.hidden = !photos.length;
+  const formulas = index.math || [];
+  formulas.forEach((m) => $("math-samples").appendChild(formulaButton(m)));
+  $("math-samples").hidden = !formulas.length;
+}
+
+function sampleButton(s) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = "sample";
+  b.title = (s.about || s.name) + (s.article ? " (with its article)" : "");
+  b.dataset.sample = s.name;
+  if (s.domain) b.dataset.domain = s.domain;
+  const img = document.createElement("img");
+  img.src = s.url;
+  img.alt = s.about || s.name;
+  b.appendChild(img);
+  b.addEventListener("click", () => captionSample(s));
+  return b;
+}
+
+function formulaButton(m) {
+  const b = document.createElement("button");
+  b.type = "button";
+  b.className = "formula";
+  b.dataset.sample = m.name;
+  b.title = `pen strokes of ${m.latex}`;
+  try {
+    katex.render(m.latex, b, { throwOnError: true });
+  } catch (_) {
+    b.textContent = m.latex;  // KaTeX missing: the LaTeX as text (renderLatex reports the cause)
+  }
+  b.addEventListener("click", () => mathSample(m));
+  return b;
 }
 
 async function captionSample(s) {
   clearError();
+  $("caption-file").value = "";  // the file input no longer holds what is captioned
   try {
     const r = await fetch(s.url);
     if (!r.ok) throw new Error(`${r.status} ${r.statusText}`);
@@ -377,6 +517,7 @@ async function captionSample(s) {
     captionLabel(file);
     $("article").value = s.article || "";
   } catch (err) {
+    clearResult("caption-result");
     showError("Could not load the sample: " + err.message);
     return;
   }
@@ -386,6 +527,7 @@ async function captionSample(s) {
 // draws the sample's pen strokes on the pad, scaled to fit, and recognises them like a drawing
 function mathSample(sample) {
   clearPad();
+  resetMathFile();
   const pts = sample.strokes.flat();
   const xs = pts.map((p) => p[0]), ys = pts.map((p) => p[1]);
   const x0 = Math.min(...xs), y0 = Math.min(...ys);
@@ -393,7 +535,7 @@ function mathSample(sample) {
   const margin = 20;
   const k = Math.min((pad.width - 2 * margin) / w, (pad.height - 2 * margin) / h);
   const ox = (pad.width - k * w) / 2, oy = (pad.height - k * h) / 2;
-  pctx.lineWidth = 5; pctx.lineCap = "round"; pctx.lineJoin = "round"; pctx.strokeStyle = "#000";
+  Object.assign(pctx, INK);
   sample.strokes.forEach((stroke) => {
     const placed = stroke.map(([x, y]) => [ox + (x - x0) * k, oy + (y - y0) * k]);
     pctx.beginPath();

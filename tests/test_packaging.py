@@ -2,14 +2,17 @@
 
 The wheel is built from a copy of the sources (so the checkout's ``build/`` can not leak stale
 files into it), checked to hold every package-data file of ``src/tellkit``, unpacked into a
-temporary folder, and the README's Python example runs from another folder with the checkout
-removed from ``sys.path`` (dependencies come from the running interpreter's site-packages).
+temporary folder, and the README's Python blocks run as written (the quick start's
+``tellkit.pipeline`` calls on ``photo.jpg`` and ``formula.png``, the model API) from another
+folder with the checkout removed from ``sys.path`` (dependencies come from the running
+interpreter's site-packages); the command line finds the packaged recipes from there too.
 
 Also here: the test process runs with the model hub offline (set by ``tests/conftest.py``) and
 the ``shared_data`` fixture honours ``$TELLKIT_SHARED_DATA`` (skip locally, fail in CI).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,14 +30,11 @@ PACKAGE = ROOT / "src" / "tellkit"
 _NOT_SHIPPED = re.compile(r"(^|/)(__pycache__/|\.[^/]*$)|\.py[co]$")
 
 
-def readme_python_example() -> str:
-    """The first ```python block of the README's "Python API" section."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = re.search(r"^## Python API\s*$(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert section, "README.md has no '## Python API' section"
-    block = re.search(r"```python\n(.*?)```", section.group(1), re.S)
-    assert block, "README.md's Python API section has no ```python block"
-    return block.group(1)
+def readme_python_blocks() -> list[str]:
+    """Every ```python block of the README, in order."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(encoding="utf-8"), re.M | re.S)
+    assert blocks, "README.md has no ```python block"
+    return blocks
 
 
 def _source_files() -> set[str]:
@@ -103,7 +103,8 @@ _RUNNER = textwrap.dedent("""
     sys.path[:] = [p for p in sys.path if p and not in_checkout(p)]
     sys.path.insert(0, str(site))
 
-    exec(compile(example, "README.md (Python API)", "exec"))
+    for i, block in enumerate(json.loads(example)):  # one namespace, as a reader would run them
+        exec(compile(block, f"README.md (Python block {i + 1})", "exec"))
 
     import tellkit
     from tellkit.cli import main
@@ -111,6 +112,11 @@ _RUNNER = textwrap.dedent("""
     assert Path(tellkit.__file__).resolve().is_relative_to(site), tellkit.__file__
     assert Path("ckpt/config.json").is_file() and Path("ckpt/model.safetensors").is_file()
     assert model.num_parameters() > 0
+    # the quick start's pipelines ran on the packaged default models installed with the wheel
+    assert Path(captioner.info["checkpoint"]).resolve().is_relative_to(site)
+    assert len(captioner("photo.jpg")["text"].split()) >= 3
+    assert reader("formula.png")["text"] == "x ^ { 2 } + 1"
+    assert reader.info["dtype"] in ("bfloat16", "float32")
     for name in ("default_caption", "bttr_default"):  # the packaged default models load
         default = tellkit.load_model(files("tellkit") / "assets" / name)
         assert default.num_parameters() > 0, name
@@ -118,6 +124,10 @@ _RUNNER = textwrap.dedent("""
     with contextlib.redirect_stdout(out):  # the command line finds the packaged recipe too
         assert main(["model-info", "tat/tiny"]) == 0
     assert json.loads(out.getvalue())["family"] == model.family
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # a configs/ path of the checkout names the packaged recipe
+        assert main(["model-info", "configs/bttr/crohme.yaml"]) == 0
+    assert json.loads(out.getvalue())["family"] == "bttr"
 
     leaked = sorted(n for n, m in list(sys.modules.items()) if in_checkout(getattr(m, "__file__", None) or "/"))
     assert not leaked, f"modules imported from the checkout: {leaked}"
@@ -126,24 +136,29 @@ _RUNNER = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_readme_python_example_runs_from_the_unpacked_wheel(wheel, tmp_path):
+def test_readme_python_blocks_run_from_the_unpacked_wheel(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
+    # the files the quick start names: a photo and a handwritten formula
+    shutil.copy2(PACKAGE / "assets" / "demo_caption" / "coffee.jpg", elsewhere / "photo.jpg")
+    shutil.copy2(PACKAGE / "assets" / "samples" / "bttr_x2_plus_1.png", elsewhere / "formula.png")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     proc = subprocess.run(
-        [sys.executable, "-I", "-c", _RUNNER, str(site), str(ROOT), readme_python_example()],
-        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300,
+        [sys.executable, "-I", "-c", _RUNNER, str(site), str(ROOT), json.dumps(readme_python_blocks())],
+        cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"README example failed outside the checkout:\n{proc.stdout}\n{proc.stderr}"
     assert "family transform_and_tell" in proc.stdout
 
 
-def test_readme_example_is_the_documented_one():
-    code = readme_python_example()
-    assert 'tellkit.create_model("tat/tiny")' in code
-    assert "save_pretrained(" in code and "tellkit.load_model(" in code
+def test_readme_examples_are_the_documented_ones():
+    quick, api = readme_python_blocks()[:2]
+    assert 'tellkit.pipeline("caption")' in quick and 'tellkit.pipeline("recognize"' in quick
+    assert '("photo.jpg")["text"]' in quick and '("formula.png")["text"]' in quick
+    assert 'tellkit.create_model("tat/tiny")' in api
+    assert "save_pretrained(" in api and "tellkit.load_model(" in api
 
 
 def test_model_hub_is_offline_in_the_test_process():

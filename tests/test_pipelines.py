@@ -226,3 +226,72 @@ def test_faces_of_a_large_photo_are_detected_on_a_bounded_copy():
     seen.clear()
     Bundle(None, ("image", "faces"), face_max_side=P.FACE_DETECT_MAX_SIDE).encode([P.article_input("", big)])
     assert seen == [1600]
+
+
+# --- dtype: bfloat16 autocast where the device has it ----------------------------------------------
+def test_dtype_bf16_runs_the_search_in_autocast_or_says_why_not(tmp_path, monkeypatch, capsys):
+    """dtype="bf16": encode and search in bfloat16 autocast (weights stay float32) where the CPU
+    computes bf16 natively; elsewhere float32 and a note in ``info`` (and on the command's
+    stderr). The scores stay float32 (log-softmax in float32)."""
+    import tellkit
+    from tellkit.cli import main
+    from tellkit.pipelines.recognition import SAMPLE_INKML
+    from tellkit.registry import create_model
+    from tellkit.utils import precision
+
+    torch.manual_seed(0)
+    create_model("bttr/tiny").save_pretrained(tmp_path / "bttr", extra={"eval": {"beam_size": 2, "max_len": 6}})
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: True)
+    pipe = tellkit.pipeline("recognize", tmp_path / "bttr", dtype="bf16")
+    seen = []
+    generate = pipe.model.generate
+
+    def watched(*a, **kw):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        out = generate(*a, **kw)
+        seen.append(out["scores"][0].dtype if torch.is_tensor(out["scores"][0]) else type(out["scores"][0]))
+        return out
+
+    monkeypatch.setattr(pipe.model, "generate", watched)
+    res = pipe(str(SAMPLE_INKML))
+    assert pipe.info["dtype"] == "bfloat16" and "dtype_note" not in pipe.info
+    assert seen[0] == (True, torch.bfloat16) and seen[1] in (float, torch.float32) and isinstance(res["score"], float)
+    assert all(p.dtype == torch.float32 for p in pipe.model.parameters())
+
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    plain = tellkit.pipeline("recognize", tmp_path / "bttr", dtype="bf16")
+    assert plain.info["dtype"] == "float32" and "no native bfloat16" in plain.info["dtype_note"]
+    assert main(["recognize", str(SAMPLE_INKML), "--model", str(tmp_path / "bttr"), "--dtype", "bf16"]) == 0
+    assert "note: this CPU has no native bfloat16" in capsys.readouterr().err
+    with pytest.raises(TellkitError, match="dtype"):
+        tellkit.pipeline("recognize", tmp_path / "bttr", dtype="int8")
+    with pytest.raises(TellkitError, match="unknown option.*temperature"):
+        tellkit.pipeline("recognize", tmp_path / "bttr", temperature=0.5)
+    with pytest.raises(TellkitError, match="unknown task 'recognise'.*did you mean 'recognize'"):
+        tellkit.pipeline("recognise")
+
+
+def test_evaluate_with_dtype_writes_under_runs_and_names_the_dtype(tmp_path, monkeypatch, capsys):
+    """`tellkit evaluate CHECKPOINT --dtype bf16` on a checkpoint that is not part of a run writes
+    under ./runs/eval/<name> (never beside the checkpoint), and its summary says which dtype ran."""
+    from tellkit.cli import main
+    from tellkit.registry import create_model
+    from tellkit.utils import precision
+
+    sample = Path(__file__).resolve().parents[1] / "src" / "tellkit" / "assets" / "samples" / "bttr_x2_plus_1.inkml"
+    (tmp_path / "data" / "test" / "2014").mkdir(parents=True)
+    (tmp_path / "data" / "test" / "2014" / "e0.inkml").write_text(sample.read_text())  # it holds its truth
+    torch.manual_seed(0)
+    ckpt = tmp_path / "models" / "bttr"
+    extra = {"task": "recognition", "eval": {"beam_size": 2, "max_len": 6}, "data": {"cache": None}}
+    create_model("bttr/tiny").save_pretrained(ckpt, extra=extra)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)
+    assert main(["evaluate", str(ckpt), "--data", str(tmp_path / "data"), "--dtype", "bf16", "--device", "cpu",
+                 "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["dtype"] == "float32" and "no native bfloat16" in captured.err
+    summary = tmp_path / "runs" / "eval" / "bttr" / "metrics_test.json"
+    assert Path(report["summary"]).resolve() == summary and not (ckpt / "eval").exists()
+    assert "no native bfloat16" in json.loads(summary.read_text())["dtype_note"]

@@ -7,6 +7,7 @@ Plus the baseline recipes' own promises: the Transformer ablation rows are Trans
 recipes derived with `base:` (not copies), and the last rows reproduce the flagship recipes."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,23 @@ def test_ablation_steps_change_one_thing_at_a_time():
     lstm_rob = build_config(load_yaml(BL / "lstm_weighted_roberta.yaml"))[1]
     assert (lstm_glove.article_dim, lstm_glove.article_layers) == (300, 1)
     assert (lstm_rob.article_dim, lstm_rob.article_layers) == (1024, 25)
+
+
+def test_a_recipe_is_named_by_path_or_name_from_any_folder(tmp_path, monkeypatch, capsys):
+    """`bttr/crohme`, `bttr/crohme.yaml` and `configs/bttr/crohme.yaml` name the packaged recipe from
+    any folder; a name not found is one line naming the nearest packaged recipes."""
+    from tellkit.cli import main
+    from tellkit.config import CONFIG_ROOT, resolve_config_path
+
+    monkeypatch.chdir(tmp_path)
+    want = CONFIG_ROOT / "bttr" / "crohme.yaml"
+    for name in ("bttr/crohme", "bttr/crohme.yaml", "configs/bttr/crohme.yaml", "configs/bttr/crohme"):
+        assert resolve_config_path(name) == want
+    (tmp_path / "configs" / "bttr").mkdir(parents=True)
+    (tmp_path / "configs" / "bttr" / "crohme.yaml").write_text("model: {name: bttr}\n")
+    assert resolve_config_path("configs/bttr/crohme.yaml") == Path("configs/bttr/crohme.yaml")  # a file here wins
+    assert main(["model-info", "configs/bttr/crohme_cpu.yaml"]) == 0
+    assert json.loads(capsys.readouterr().out)["family"] == "bttr"
+    assert main(["model-info", "bttr/crohm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "config not found: bttr/crohm; nearest packaged recipes: bttr/crohme" in err

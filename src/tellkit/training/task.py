@@ -7,14 +7,16 @@ a Task owns everything specific to one kind of model and data. The model contrac
                                 # captioning: tellkit.data.batch.CaptionBatch (masks True = real)
     out["loss"]                 # scalar, mean over target tokens
     out["ntokens"]              # int/tensor, number of target tokens (for logging, tokens/s)
-    model.generate(...)         # task-specific; called from Task.predict and the inference
+    model.generate(...)         # task-specific; called through the task's processor
+                                # (tellkit.tasks.processor) by Task.predict and by the inference
                                 # pipelines (tellkit.pipelines), with the recipe's generation
-                                # settings (the family's generation config, tellkit.recipes)
+                                # settings (the task's generation config)
 
 The training loop (:mod:`tellkit.training.loop`) and evaluator drive this class; the tasks
 (:mod:`tellkit.tasks`) implement it. A task reads its recipe sections through
-:func:`tellkit.recipes.section` and the dataclasses of :mod:`tellkit.recipes`, which refuse
-unknown keys; inference does not go through a task but through :mod:`tellkit.pipelines`.
+:func:`tellkit.recipes.section` into dataclasses that refuse unknown keys (its own, defined with
+it); inference does not build a task, but runs the task's processor through
+:mod:`tellkit.pipelines`, so that evaluation and inference share one path.
 """
 from __future__ import annotations
 

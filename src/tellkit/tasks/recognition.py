@@ -115,13 +115,14 @@ class RecognitionProcessor(Processor):
     def from_checkpoint(cls, meta, path, *, device=None, stroke_size: float | None = None) -> RecognitionProcessor:
         """``stroke_size``: read at this median stroke size in pixels instead of the stored
         ``data.render.stroke_size`` (models trained on InkML renders only)."""
-        data = known_keys(meta.get("data"), RecognitionDataConfig)
+        data = section({"data": known_keys(meta.get("data"), RecognitionDataConfig)}, "data", RecognitionDataConfig,
+                       "checkpoint data")
         if stroke_size is not None:
-            if data.get("layout", RecognitionDataConfig.layout) != "inkml":
+            if data.layout != "inkml":
                 raise TellkitError(f"stroke_size: {path} was trained on bitmaps, not on InkML renders; "
                                    "it reads images at their own size")
-            data["render"] = {**(data.get("render") or {}), "stroke_size": stroke_size}
-        return cls(section({"data": data}, "data", RecognitionDataConfig, "checkpoint data"))
+            data = dataclasses.replace(data, render={**data.render, "stroke_size": stroke_size})
+        return cls(data)
 
     @classmethod
     def stored_eval(cls, meta: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -8,7 +8,12 @@ Differences from ``torch.nn.MultiheadAttention`` that the models here need:
   and yields a well-defined output;
 - the key/value projections of a fixed context can be computed ONCE per input
   (:meth:`project_kv`) and reused at every decoding step (:meth:`attend`);
-- self-attention keeps an incremental key/value cache (``cache`` dict) for fast generation;
+- self-attention keeps an incremental key/value cache (``cache`` dict, holding a
+  :class:`KVCache` whose buffers grow by doubling, so a step writes only its new position) for
+  fast generation;
+- rows that read the same context (the beams of one input) can share ONE copy of its projected
+  keys/values (:class:`SharedKV`): their queries are gathered per input and attend in one matrix
+  product per input, instead of every row reading its own copy;
 - the attention weights (averaged over heads, over the real keys only) can be returned for
   visualisation.
 
@@ -37,6 +42,129 @@ class ProjectedKV:
     def index_select(self, index: torch.Tensor) -> ProjectedKV:
         m = self.key_padding_mask.index_select(0, index) if self.key_padding_mask is not None else None
         return ProjectedKV(self.k.index_select(0, index), self.v.index_select(0, index), m, self.num_real)
+
+
+class RowGroups:
+    """Which input each of N rows reads (``owner`` [N], values in 0..n_inputs-1), and where the
+    row sits in a padded [n_inputs, width] layout (``pos`` = owner * width + rank among the rows
+    of its input, in row order). ``regular``: every input has ``width`` rows, in input order, so
+    the layout is the rows themselves and nothing needs gathering."""
+
+    def __init__(self, owner: torch.Tensor, n_inputs: int):
+        self.owner, self.n_inputs = owner, n_inputs
+        n = owner.numel()
+        counts = torch.bincount(owner, minlength=n_inputs)
+        self.width = int(counts.max()) if n else 0
+        sorted_ = n == 0 or bool((owner[1:] >= owner[:-1]).all())
+        self.regular = sorted_ and n == self.width * n_inputs
+        if self.regular:
+            self.pos = None
+            return
+        starts = counts.cumsum(0) - counts
+        if sorted_:
+            rank = torch.arange(n, device=owner.device) - starts[owner]
+        else:
+            order = torch.argsort(owner, stable=True)
+            rank = torch.empty_like(owner)
+            rank[order] = torch.arange(n, device=owner.device) - starts[owner[order]]
+        self.pos = owner * self.width + rank
+
+    def to_inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] rows -> [n_inputs, width, ...] (absent rows are zeros)."""
+        if self.pos is None:
+            return x.reshape(self.n_inputs, self.width, *x.shape[1:])
+        out = x.new_zeros(self.n_inputs * self.width, *x.shape[1:])
+        out.index_copy_(0, self.pos, x)
+        return out.view(self.n_inputs, self.width, *x.shape[1:])
+
+    def to_rows(self, y: torch.Tensor) -> torch.Tensor:
+        """[n_inputs, width, ...] -> [N, ...], the inverse of :meth:`to_inputs`."""
+        flat = y.reshape(self.n_inputs * self.width, *y.shape[2:])
+        return flat if self.pos is None else flat.index_select(0, self.pos)
+
+
+@dataclass
+class SharedKV:
+    """One :class:`ProjectedKV` per input, read by rows whose input is ``groups.owner``: what
+    :meth:`MultiheadAttention.attend` takes so that the beams of one input share its keys and
+    values. ``index_select`` re-indexes rows (beams re-ranked, rows dropped) without copying
+    the keys/values; inputs left with no row are dropped from them."""
+
+    kv: ProjectedKV  # [n_inputs, H, S', hd]
+    groups: RowGroups
+
+    @staticmethod
+    def of(kv: ProjectedKV, owner: torch.Tensor) -> SharedKV:
+        return SharedKV.share([kv], owner)[0]
+
+    @staticmethod
+    def share(kvs: list[ProjectedKV], owner: torch.Tensor) -> list[SharedKV]:
+        """Several contexts (one per decoder layer, say) read by the same rows: one grouping."""
+        groups = RowGroups(owner, kvs[0].k.shape[0])
+        return [SharedKV(kv, groups) for kv in kvs]
+
+    @staticmethod
+    def reindex(shared: list[SharedKV], index: torch.Tensor) -> list[SharedKV]:
+        """Row ``i`` becomes old row ``index[i]`` in every one of ``shared`` (which share their
+        rows); the keys/values of inputs left with no row are dropped (copied once, per input)."""
+        kvs = [s.kv for s in shared]
+        n_inputs = kvs[0].k.shape[0]
+        owner = shared[0].groups.owner.index_select(0, index)
+        used = torch.bincount(owner, minlength=n_inputs) > 0
+        if not bool(used.all()):
+            live = used.nonzero().squeeze(1)
+            kvs = [kv.index_select(live) for kv in kvs]
+            owner = (used.cumsum(0) - 1).index_select(0, owner)
+        return SharedKV.share(kvs, owner)
+
+    def index_select(self, index: torch.Tensor) -> SharedKV:
+        return SharedKV.reindex([self], index)[0]
+
+
+class KVCache:
+    """Incremental self-attention keys/values [N, H, t, hd] in buffers with room to grow:
+    a step writes its new positions in place (no copy of the earlier ones), the capacity doubles
+    when full. ``index_select`` (beam re-ranking, rows dropped) copies the t positions once into
+    a new cache and leaves this one as it was."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int):
+        self._k, self._v, self.length = k, v, length
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, capacity: int = 32) -> KVCache:
+        n, h, _, hd = like.shape
+        return cls(like.new_empty(n, h, capacity, hd), like.new_empty(n, h, capacity, hd), 0)
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._k[:, :, : self.length]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._v[:, :, : self.length]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add positions ``k``/``v`` [N, H, T, hd]; -> all keys/values so far."""
+        end = self.length + k.shape[2]
+        if end > self._k.shape[2] or k.dtype != self._k.dtype:
+            cap = max(end, 2 * self._k.shape[2])
+            nk, nv = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+            nk[:, :, : self.length] = self.k
+            nv[:, :, : self.length] = self.v
+            self._k, self._v = nk, nv
+        self._k[:, :, self.length : end] = k
+        self._v[:, :, self.length : end] = v
+        self.length = end
+        return self.k, self.v
+
+    def index_select(self, index: torch.Tensor) -> KVCache:
+        cap = self._k.shape[2]
+        out = []
+        for buf in (self._k, self._v):
+            new = buf.new_empty(index.numel(), buf.shape[1], cap, buf.shape[3])
+            torch.index_select(buf[:, :, : self.length], 0, index, out=new[:, :, : self.length])  # one pass
+            out.append(new)
+        return KVCache(out[0], out[1], self.length)
 
 
 class MultiheadAttention(nn.Module):
@@ -117,9 +245,14 @@ class MultiheadAttention(nn.Module):
         k, v, mask = self._extra_slots(k, v, key_padding_mask)
         return ProjectedKV(self._split(k), self._split(v), mask, S)
 
-    def attend(self, query: torch.Tensor, kv: ProjectedKV, attn_mask: torch.Tensor | None = None,
+    def attend(self, query: torch.Tensor, kv: ProjectedKV | SharedKV, attn_mask: torch.Tensor | None = None,
                need_weights: bool = False):
-        """``query`` [B, T, d] against projected keys/values -> ([B, T, d], weights [B, T, S] or None)."""
+        """``query`` [B, T, d] against projected keys/values -> ([B, T, d], weights [B, T, S] or None).
+        ``kv`` may be a :class:`SharedKV` (rows reading the keys/values of their input)."""
+        if isinstance(kv, SharedKV):
+            if attn_mask is not None:
+                raise ValueError("attn_mask does not apply to keys/values shared by rows")
+            return self._attend_shared(query, kv, need_weights)
         B, T, _ = query.shape
         q = self._split(self.q_proj(query) * self.scaling)
         scores = torch.matmul(q, kv.k.transpose(-1, -2))  # [B, H, T, S']
@@ -143,6 +276,30 @@ class MultiheadAttention(nn.Module):
         weights = probs[..., : kv.num_real].mean(dim=1) if need_weights else None
         return out, weights
 
+    def _attend_shared(self, query: torch.Tensor, kv: SharedKV, need_weights: bool):
+        """The queries of the rows of each input gathered into one sequence [n_inputs, width * T]
+        that attends to that input's keys/values in one product (none is copied per row)."""
+        g, p = kv.groups, kv.kv
+        N, T, _ = query.shape
+        q = g.to_inputs(self.q_proj(query)).reshape(g.n_inputs, g.width * T, self.embed_dim)
+        q = self._split(q)  # [n_inputs, H, width*T, hd]
+        k, v = p.k.to(q.dtype), p.v.to(q.dtype)
+        allowed = None if p.key_padding_mask is None else ~p.key_padding_mask[:, None, None, :]
+        weights = None
+        if need_weights:
+            scores = torch.matmul(q * self.scaling, k.transpose(-1, -2)).float()
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            weights = probs[..., : p.num_real].mean(dim=1).reshape(g.n_inputs, g.width, T, -1)
+            weights = g.to_rows(weights)
+            out = torch.matmul(F.dropout(probs, p=self.dropout, training=self.training).to(q.dtype), v)
+        else:  # the fused kernel (softmax accumulated in float32 for 16-bit inputs)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
+                                                 dropout_p=self.dropout if self.training else 0.0)
+        out = out.transpose(1, 2).reshape(g.n_inputs, g.width, T, self.embed_dim)
+        return self.out_proj(g.to_rows(out)), weights
+
     # -- general entry point ----------------------------------------------------------------
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
                 key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
@@ -150,28 +307,31 @@ class MultiheadAttention(nn.Module):
         """Cross-attention when ``key`` is given; self-attention on ``query`` otherwise.
 
         For incremental self-attention pass ``cache`` (a dict, initially empty): keys/values
-        of the new positions are appended to it, so each step costs O(t) instead of O(t^2).
+        of the new positions are appended to its :class:`KVCache` (``cache["self_kv"]``), so each
+        step costs O(t) instead of O(t^2).
         """
         if key is not None:
             return self.attend(query, self.project_kv(key, value, key_padding_mask), attn_mask, need_weights)
         k, v = self._split(self.k_proj(query)), self._split(self.v_proj(query))
         if cache is not None:
-            if "k" in cache:
-                k = torch.cat([cache["k"], k], dim=2)
-                v = torch.cat([cache["v"], v], dim=2)
-                if key_padding_mask is not None and "mask" in cache:
-                    key_padding_mask = torch.cat([cache["mask"], key_padding_mask], dim=1)
-            cache["k"], cache["v"] = k, v
+            if "self_kv" not in cache:
+                cache["self_kv"] = KVCache.empty(k)
+            k, v = cache["self_kv"].append(k, v)
             if key_padding_mask is not None:
+                if "mask" in cache:
+                    key_padding_mask = torch.cat([cache["mask"], key_padding_mask], dim=1)
                 cache["mask"] = key_padding_mask
-        if key_padding_mask is None:
-            key_padding_mask = torch.zeros(k.size(0), k.size(2), dtype=torch.bool, device=k.device)
         S = k.size(2)
         if self.bias_k is not None or self.add_zero_attn:
             kk, vv = k.transpose(1, 2).reshape(k.size(0), S, -1), v.transpose(1, 2).reshape(v.size(0), S, -1)
             kk, vv, key_padding_mask = self._extra_slots(kk, vv, key_padding_mask)
             k, v = self._split(kk), self._split(vv)
         return self.attend(query, ProjectedKV(k, v, key_padding_mask, S), attn_mask, need_weights)
+
+
+def cached_length(cache: dict | None) -> int:
+    """How many positions an incremental self-attention ``cache`` holds (0 for a new one)."""
+    return cache["self_kv"].length if cache and "self_kv" in cache else 0
 
 
 def causal_mask(length: int, device: torch.device | None = None, offset: int = 0) -> torch.Tensor:

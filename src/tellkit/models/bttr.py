@@ -32,7 +32,7 @@ from tellkit.checkpoint import PretrainedMixin
 from tellkit.data.latex import EOS_ID, PAD_ID, SOS_ID
 from tellkit.decoding.state import IncrementalDecoder, RowContext, reorder_state
 from tellkit.errors import TellkitError
-from tellkit.layers.attention import MultiheadAttention, ProjectedKV, causal_mask
+from tellkit.layers.attention import MultiheadAttention, ProjectedKV, SharedKV, cached_length, causal_mask
 from tellkit.layers.dropout import FastDropout
 from tellkit.layers.loss import logits_loss
 from tellkit.layers.positional import SinusoidalPositions
@@ -268,6 +268,13 @@ class Encoder(nn.Module):
         self.d_model = c.d_model
         self.positions = legacy_image_positions if c.variant == LEGACY else image_positions
 
+    def grid_size(self, height: int, width: int) -> tuple[int, int]:
+        """The feature grid (h, w) of an image of ``height`` x ``width`` pixels: every
+        stride-2 stage (the stem's convolution and pooling, each transition) halves, rounding up."""
+        for _ in range(2 + len(self.densenet.transitions)):
+            height, width = (height + 1) // 2, (width + 1) // 2
+        return height, width
+
     def forward(self, image: torch.Tensor, image_mask: torch.Tensor | None = None):
         """-> memory [B, h*w, d], memory_mask [B, h*w] (True = real)."""
         feat, mask = self.densenet(image, image_mask)
@@ -304,9 +311,9 @@ class DecoderLayer(nn.Module):
         padding comes after the real tokens, but padded rows' outputs change)."""
         if state is None:  # full sequence, causal
             h, _ = self.self_attn(x, key_padding_mask=pad, attn_mask=causal_mask(x.shape[1], x.device))
-        else:  # earlier keys/values come from the state
-            start = state["k"].shape[2] if "k" in state else 0
-            h, _ = self.self_attn(x, attn_mask=causal_mask(x.shape[1], x.device, offset=start), cache=state)
+        else:  # earlier keys/values come from the state; one new position sees them all
+            mask = causal_mask(x.shape[1], x.device, offset=cached_length(state)) if x.shape[1] > 1 else None
+            h, _ = self.self_attn(x, attn_mask=mask, cache=state)
         x = self.norm1(x + self.drop(h))
         x = self.norm2(x + self.drop(self.cross_attention(x, kv, state, ctx)))
         return self.norm3(x + self.drop(self.ff(x)))
@@ -342,6 +349,27 @@ class Decoder(nn.Module):
     def project_memory(self, memory: torch.Tensor, memory_mask: torch.Tensor) -> list[ProjectedKV]:
         """Per layer, the memory [N, S, d] (mask True = real) projected for cross-attention."""
         return [layer.cross_attn.project_kv(memory, key_padding_mask=~memory_mask) for layer in self.layers]
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether decoder rows reading one image can share its projected memory
+        (:class:`tellkit.layers.attention.SharedKV`): the beams of both directions then attend
+        to one copy of it. Not for a variant whose layers override the cross-attention (CoMER's
+        coverage reads per-row keys); those get one copy per row."""
+        return all(type(layer).cross_attention is DecoderLayer.cross_attention for layer in self.layers)
+
+    def project_shared(self, memory: torch.Tensor, memory_mask: torch.Tensor, owner: torch.Tensor) -> list:
+        """Per layer, the memory projected once per image and read by the decoder rows whose
+        image is ``owner`` [N] (one copy per row where the variant cannot share)."""
+        owner = owner.to(memory.device)
+        if self.shares_memory:
+            used = torch.bincount(owner, minlength=memory.shape[0]) > 0
+            if not bool(used.all()):  # only the images some row reads
+                live = used.nonzero().squeeze(1)
+                memory, memory_mask = memory.index_select(0, live), memory_mask.index_select(0, live)
+                owner = (used.cumsum(0) - 1).index_select(0, owner)
+            return SharedKV.share(self.project_memory(memory, memory_mask), owner)
+        return [kv.index_select(owner) for kv in self.project_memory(memory, memory_mask)]
 
     def forward(self, tokens, memory=None, memory_mask=None, states: list | None = None, start: int = 0,
                 kvs: list[ProjectedKV] | None = None):
@@ -413,11 +441,43 @@ class BTTR(nn.Module, PretrainedMixin):
         step re-runs the decoder on the whole prefix, as the reference does."""
         return _BTTRIncremental(self.decoder, memory, memory_mask, owner, use_cache)
 
-    def sequence_logprob(self, inputs: torch.Tensor, targets: torch.Tensor, memory, memory_mask) -> torch.Tensor:
-        """Teacher-forced sum of log p(targets) per row (PAD targets ignored): [N]."""
-        lp = F.log_softmax(self.decoder(inputs, memory, memory_mask).float(), -1)
+    def sequence_logprob(self, inputs: torch.Tensor, targets: torch.Tensor, memory, memory_mask,
+                         owner: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced sum of log p(targets) per row (PAD targets ignored): [N]. ``owner`` [N]:
+        the row of ``memory`` each row reads (default: row i reads memory row i)."""
+        if owner is None:
+            logits = self.decoder(inputs, memory, memory_mask)
+        else:
+            logits = self.decoder(inputs, kvs=self.decoder.project_shared(memory, memory_mask, owner))
+        lp = F.log_softmax(logits.float(), -1)
         tok = lp.gather(-1, targets.clamp(min=0)[..., None])[..., 0]
         return (tok * (targets != PAD)).sum(-1)
+
+    def encode_by_size(self, image: torch.Tensor, image_mask: torch.Tensor | None = None):
+        """:meth:`encode` for inference: the images of each distinct size go through the encoder
+        together, unpadded (no padded pixel is computed or masked), and their features are
+        placed in the layout the padded batch would have (the same values where real: the
+        encoder zeroes padding). Training keeps :meth:`encode` (batch-norm statistics)."""
+        if image_mask is None or bool(image_mask.all()):
+            return self.encode(image, image_mask)
+        heights = image_mask.any(2).sum(1).tolist()
+        widths = image_mask.any(1).sum(1).tolist()
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, hw in enumerate(zip(heights, widths)):
+            groups.setdefault(hw, []).append(i)
+        gh, gw = self.encoder.grid_size(*image.shape[-2:])
+        memory = mask = None
+        for (h, w), idx in groups.items():
+            index = torch.tensor(idx, device=image.device)
+            part = image.index_select(0, index)[..., :h, :w].contiguous(memory_format=torch.channels_last)
+            mem, mmask = self.encode(part, None)
+            ph, pw = self.encoder.grid_size(h, w)
+            if memory is None:
+                memory = mem.new_zeros(image.shape[0], gh, gw, mem.shape[-1])
+                mask = torch.zeros(image.shape[0], gh, gw, dtype=torch.bool, device=image.device)
+            memory[index, :ph, :pw] = mem.view(len(idx), ph, pw, -1)
+            mask[index, :ph, :pw] = True
+        return memory.flatten(1, 2), (mask.flatten(1) if mmask.dim() == 2 else mask)
 
     @torch.no_grad()
     def generate(self, image: torch.Tensor, image_mask: torch.Tensor | None = None, beam_size: int | None = None,
@@ -438,10 +498,14 @@ class _BTTRIncremental:
                  use_cache: bool):
         self.decoder = decoder
         index = owner.to(memory.device)
-        if use_cache:  # projected once per image, then one row per decoder row
+        self.shared = use_cache and decoder.shares_memory
+        if self.shared:  # projected once per image; the rows of an image read that one copy
+            self.memory = decoder.project_shared(memory, memory_mask, index)
+            self.states: list[dict] | None = [{} for _ in decoder.layers]
+        elif use_cache:  # projected once per image, then one copy per decoder row
             kvs = [kv.index_select(index) for kv in decoder.project_memory(memory, memory_mask)]
             self.memory = RowContext(kvs, owner)
-            self.states: list[dict] | None = [{} for _ in decoder.layers]
+            self.states = [{} for _ in decoder.layers]
         else:
             self.memory = RowContext((memory.index_select(0, index), memory_mask.index_select(0, index)), owner)
             self.states = None
@@ -452,10 +516,14 @@ class _BTTRIncremental:
             logits = self.decoder(tokens, mem, mask)[:, -1]
         else:
             t = tokens.shape[1]
-            logits = self.decoder(tokens[:, -1:], states=self.states, start=t - 1, kvs=self.memory.value)[:, -1]
+            kvs = self.memory if self.shared else self.memory.value
+            logits = self.decoder(tokens[:, -1:], states=self.states, start=t - 1, kvs=kvs)[:, -1]
         return F.log_softmax(logits.float(), -1)
 
     def reorder(self, index: torch.Tensor) -> None:
         if self.states is not None:
             self.states = reorder_state(self.states, index)
-        self.memory.reorder(index)
+        if self.shared:
+            self.memory = SharedKV.reindex(self.memory, index)
+        else:
+            self.memory.reorder(index)

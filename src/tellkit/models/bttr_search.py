@@ -6,16 +6,28 @@ both log-probabilities, divide by length**alpha, keep the best of the 2k.
 
 The beam follows the reference's rule: at each step the top ``k - finished`` continuations
 are kept; those ending in the end token are finished, the rest stay live (the beam shrinks),
-until ``k`` are finished or ``max_len`` steps. Here every image of a batch and both directions
-run together (rows = image x direction x beam); dead slots carry a score of -inf.
-The final choice is the reference's: (own score + opposite direction's score) / len**alpha,
-where len is the number of predicted symbols (at least 1) and both scores include the end
-token. What differs from the reference: batching and the cache (``use_cache=False`` recomputes
-every prefix like the reference).
+until ``k`` are finished or ``max_len`` steps. The final choice is the reference's: (own score +
+opposite direction's score) / len**alpha, where len is the number of predicted symbols (at
+least 1) and both scores include the end token.
 
-The model supplies ``encode``, ``incremental`` (a :class:`tellkit.decoding.state.IncrementalDecoder`,
-the same protocol as every other decoder's search) and ``sequence_logprob`` (see
-:class:`tellkit.models.bttr.BTTR`).
+What differs from the reference is only how the work is laid out (the results are the same):
+
+* every image of a batch and both directions search together; the images are encoded once,
+  each distinct size without padding (``encode_by_size``), and the decoder rows of both
+  directions of an image read ONE copy of its projected memory (``SharedKV``);
+* the decoder holds only live hypotheses: a slot that dies (the beam shrinks as hypotheses
+  finish) and a finished search leave it at once; the search keeps a [search, k] table of which
+  decoder row holds each slot, and dead slots score -inf;
+* the self-attention keys/values are cached (``use_cache=False`` recomputes every prefix like
+  the reference, with one copy of the memory per row);
+* the rescoring pass runs all hypotheses of the batch at once against the shared memory.
+
+Under ``torch.autocast`` (bfloat16 on CPUs that have it) the matrix products run in 16 bits;
+log-probabilities, scores and the softmax of attention stay float32.
+
+The model supplies ``encode`` / ``encode_by_size``, ``incremental`` (a
+:class:`tellkit.decoding.state.IncrementalDecoder`, the same protocol as every other decoder's
+search) and ``sequence_logprob`` (see :class:`tellkit.models.bttr.BTTR`).
 """
 from __future__ import annotations
 
@@ -33,64 +45,89 @@ NEG = float("-inf")
 
 @torch.no_grad()
 def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
-                beam_size: int, max_len: int, use_cache: bool = True) -> list[list[tuple[list[int], float]]]:
-    """Batched beam search for N independent searches (one row of ``memory`` each).
+                beam_size: int, max_len: int, use_cache: bool = True, owner: torch.Tensor | None = None,
+                incomplete: set | None = None) -> list[list[tuple[list[int], float]]]:
+    """Batched beam search for N independent searches.
 
     ``start`` / ``end`` [N]: first token and end token per search (so both directions can share
-    a batch). Padding and the start token are never generated. Returns, per search, up to
-    ``beam_size`` (tokens without start/end, sum of log-probabilities including the end token)."""
-    n, k = memory.shape[0], beam_size
+    a batch); ``owner`` [N]: the row of ``memory`` search i reads (default: row i). Searches of
+    one memory row should be consecutive (their decoder rows then share it without gathering).
+    Padding and the start token are never generated. Returns, per search, up to ``beam_size``
+    (tokens without start/end, sum of log-probabilities including the end token). A search
+    that ends without one (``max_len``, a runaway) keeps its best live hypothesis, whose score
+    has no end token; ``incomplete``, when given, receives (search, tuple(tokens)) of those."""
+    n, k = start.shape[0], beam_size
     dev = memory.device
-    decoder = model.incremental(memory, memory_mask, torch.arange(n).repeat_interleave(k), use_cache=use_cache)
-    prefix = start.repeat_interleave(k)[:, None]  # [m*k, t] for the m searches still running
+    owner = torch.arange(n, device=dev) if owner is None else owner.to(dev)
+    # decoder rows hold live hypotheses only, in (search, slot) order; at first one per search
+    decoder = model.incremental(memory, memory_mask, owner, use_cache=use_cache)
+    prefix = start.to(dev)[:, None]  # [rows, t]
     scores = torch.full((n, k), NEG, device=dev)
-    scores[:, 0] = 0.0  # one live hypothesis at the start
-    end_k = end[:, None]
-    alive = list(range(n))  # global ids of the running searches, in row order
+    scores[:, 0] = 0.0
+    slot_row = torch.full((n, k), -1, dtype=torch.long, device=dev)  # decoder row of each slot, -1: dead
+    slot_row[:, 0] = torch.arange(n, device=dev)
+    end_k = end.to(dev)[:, None]
+    alive = list(range(n))  # global ids of the running searches, in order
     finished: list[list[tuple[list[int], float]]] = [[] for _ in range(n)]
     ar = torch.arange(k, device=dev)[None]
     stop = _runaway.active()  # a caller may stop runaway outputs early (decoding/runaway.py)
     for _ in range(max_len):
         m = len(alive)
-        lp = decoder.step(prefix)  # [m*k, V]
+        lp = decoder.step(prefix)  # [rows, V], float32
         v = lp.shape[-1]
         lp[:, PAD] = NEG  # never generate padding or the direction's own start token
         lp.scatter_(1, prefix[:, :1], NEG)
-        top, pos = (scores.reshape(-1, 1) + lp).view(m, k * v).topk(k, dim=1)  # best first
+        live = slot_row.view(-1) >= 0
+        cand = lp.new_full((m * k, v), NEG)  # [slots, V]; the rows are the live slots in order
+        cand[live] = scores.view(-1)[live, None] + lp
+        top, pos = cand.view(m, k * v).topk(k, dim=1)  # best first
         beam, tok = pos // v, pos % v
         # the reference keeps only the best (k - finished) continuations
         nfin = torch.tensor([len(finished[g]) for g in alive], device=dev)
         top = top.masked_fill(ar >= (k - nfin)[:, None], NEG)
         is_end = (tok == end_k) & (top > NEG)
-        for i, j in is_end.nonzero().tolist():
-            finished[alive[i]].append((prefix[i * k + int(beam[i, j]), 1:].tolist(), float(top[i, j])))
-        top = top.masked_fill(is_end, NEG)
-        live = (top > NEG).any(1).tolist()  # (the best slot may just have finished)
-        keep = [i for i, g in enumerate(alive) if len(finished[g]) < k and live[i]]
+        parent = slot_row.gather(1, beam)  # [m, k] decoder row each candidate continues
+        if bool(is_end.any()):
+            for i, j in is_end.nonzero().tolist():
+                finished[alive[i]].append((prefix[int(parent[i, j]), 1:].tolist(), float(top[i, j])))
+            top = top.masked_fill(is_end, NEG)
+        going = (top > NEG).any(1).tolist()  # (the best slot may just have finished)
+        keep = [i for i, g in enumerate(alive) if len(finished[g]) < k and going[i]]
         if not keep:
             alive = []
             break
-        rows = (torch.arange(m, device=dev)[:, None] * k + beam)  # parent row of each new slot
-        if len(keep) < m:  # drop finished searches (their rows leave the decoder too)
+        if len(keep) < m:  # finished searches leave the decoder
             kt = torch.tensor(keep, device=dev)
-            rows, tok, top, end_k = rows[kt], tok[kt], top[kt], end_k[kt]
+            parent, tok, top, end_k = parent[kt], tok[kt], top[kt], end_k[kt]
             alive = [alive[i] for i in keep]
-        rows = rows.reshape(-1)
-        prefix = torch.cat([prefix.index_select(0, rows), tok.reshape(-1, 1)], 1)
+        new_live = top > NEG  # [m', k]: the slots that go on; dead ones leave the decoder
+        rows = parent[new_live]
+        slot_row = torch.full_like(parent, -1)
+        slot_row[new_live] = torch.arange(rows.numel(), device=dev)
+        prefix = torch.cat([prefix.index_select(0, rows), tok[new_live][:, None]], 1)
         decoder.reorder(rows)
         scores = top
         if stop is not None:  # a runaway search ends like one at max_len: its best live hypothesis
-            for i in stop.stopped(prefix[:, 1:].view(len(alive), k, -1), scores).nonzero()[:, 0].tolist():
+            slots = prefix.new_zeros(len(alive) * k, prefix.shape[1] - 1)
+            slots[new_live.view(-1)] = prefix[:, 1:]
+            for i in stop.stopped(slots.view(len(alive), k, -1), scores).nonzero()[:, 0].tolist():
                 j = int(scores[i].argmax())
                 if not finished[alive[i]]:
-                    finished[alive[i]].append((prefix[i * k + j, 1:].tolist(), float(scores[i, j])))
-                scores[i] = NEG
+                    _unfinished(finished, incomplete, alive[i], prefix[int(slot_row[i, j]), 1:], scores[i, j])
+                scores[i] = NEG  # its rows leave at the next step
     # max_len reached: a search with nothing finished keeps its best live hypothesis
     for i, g in enumerate(alive):
         j = int(scores[i].argmax())
         if not finished[g] and bool(scores[i, j] > NEG):
-            finished[g].append((prefix[i * k + j, 1:].tolist(), float(scores[i, j])))
+            _unfinished(finished, incomplete, g, prefix[int(slot_row[i, j]), 1:], scores[i, j])
     return finished
+
+
+def _unfinished(finished: list, incomplete: set | None, search: int, tokens: torch.Tensor, score) -> None:
+    toks = tokens.tolist()
+    finished[search].append((toks, float(score)))
+    if incomplete is not None:
+        incomplete.add((search, tuple(toks)))
 
 
 @torch.no_grad()
@@ -101,56 +138,89 @@ def joint_search(model, image: torch.Tensor, image_mask: torch.Tensor | None = N
 
     ``bidirectional=False, rescore=False`` is plain left-to-right beam search (its score is the
     sum of log-probabilities, not normalised); with ``beam_size=1`` that is greedy decoding."""
-    memory, mmask = model.encode(image, image_mask)
+    encode = getattr(model, "encode_by_size", model.encode)
+    memory, mmask = encode(image, image_mask)
     b = memory.shape[0]
     dirs = 2 if bidirectional else 1
     dev = memory.device
-    # rows: image i left-to-right at i, right-to-left at b + i
-    mem = memory.repeat(dirs, 1, 1)
-    mm = torch.cat([mmask] * dirs)  # (a variant's mask may keep the feature grid's shape)
-    start = torch.tensor([SOS] * b + [EOS] * b, device=dev)[: dirs * b]
-    end = torch.tensor([EOS] * b + [SOS] * b, device=dev)[: dirs * b]
-    hyps = beam_search(model, mem, mm, start, end, beam_size, max_len, use_cache)
+    # searches image by image: image i left-to-right at dirs * i, right-to-left at dirs * i + 1
+    owner = torch.arange(b, device=dev).repeat_interleave(dirs)
+    start = torch.tensor([SOS, EOS][:dirs] * b, device=dev)
+    end = torch.tensor([EOS, SOS][:dirs] * b, device=dev)
+    incomplete: set = set()
+    hyps = beam_search(model, memory, mmask, start, end, beam_size, max_len, use_cache, owner=owner,
+                       incomplete=incomplete)
 
-    if not rescore:
-        out_t, out_s = [], []
-        for i in range(b):
-            cands = [(t, s) for t, s in hyps[i]] + ([(t[::-1], s) for t, s in hyps[b + i]] if dirs == 2 else [])
-            t, s = max(cands, key=lambda c: c[1]) if cands else ([], NEG)
-            out_t.append(t)
-            out_s.append(s)
-        return {"tokens": out_t, "scores": out_s}
-
-    # Rescoring: every hypothesis of row r (direction d) is scored by the other direction.
-    items = []  # (image, own score, tokens in left-to-right order, opposite direction)
+    # per image: (own score, tokens in left-to-right order, the direction that found them)
+    cands: list[list[tuple[float, list[int], int]]] = [[] for _ in range(b)]
     for r, lst in enumerate(hyps):
-        d, i = divmod(r, b)
-        for toks, s in lst:
-            l2r = toks if d == 0 else toks[::-1]
-            items.append((i, s, l2r, 1 - d if dirs == 2 else 0))
-    if not items:
+        i, d = divmod(r, dirs)
+        cands[i] += [(s, toks if d == 0 else toks[::-1], d) for toks, s in lst]
+    if not rescore:
+        out = [max(c, key=lambda x: x[0]) if c else (NEG, [], 0) for c in cands]
+        return {"tokens": [t for _, t, _ in out], "scores": [s for s, _, _ in out]}
+    if not any(cands):
         return {"tokens": [[] for _ in range(b)], "scores": [NEG] * b}
-    n = len(items)
-    t_max = max(len(it[2]) for it in items) + 1
-    inp = torch.full((n, t_max), PAD, dtype=torch.long, device=dev)
-    tgt = torch.full((n, t_max), PAD, dtype=torch.long, device=dev)
-    for j, (_, _, l2r, od) in enumerate(items):
-        seq = l2r if od == 0 else l2r[::-1]
-        s0, s1 = (SOS, EOS) if od == 0 else (EOS, SOS)
-        m = len(seq)
-        inp[j, 0] = s0
-        if m:
-            inp[j, 1 : m + 1] = torch.tensor(seq, device=dev)
-            tgt[j, :m] = torch.tensor(seq, device=dev)
-        tgt[j, m] = s1
-    idx = torch.tensor([it[0] for it in items], device=dev)
-    if dirs == 2:
-        opp = model.sequence_logprob(inp, tgt, memory.index_select(0, idx), mmask.index_select(0, idx))
-    else:  # one direction: nothing to rescore with, only the length normalisation applies
-        opp = torch.zeros(n)
+    opp = None
+    if dirs == 2:  # a hypothesis both directions finished already has both scores
+        known = [{} for _ in range(b)]
+        for i, c in enumerate(cands):
+            for s, l2r, d in c:
+                if (dirs * i + d, tuple(l2r if d == 0 else l2r[::-1])) not in incomplete:
+                    known[i][(tuple(l2r), d)] = s
+        opp = rescore_opposite(model, memory, mmask, cands, known)
     best: list[tuple[float, list[int]]] = [(NEG, []) for _ in range(b)]
-    for j, (i, s, l2r, _) in enumerate(items):
-        total = (s + float(opp[j])) / (max(len(l2r), 1) ** alpha)
-        if total > best[i][0]:
-            best[i] = (total, l2r)
+    j = 0
+    for i, c in enumerate(cands):
+        for s, l2r, _ in c:
+            # one direction: nothing to rescore with, only the length normalisation applies
+            total = (s + (float(opp[j]) if opp is not None else 0.0)) / (max(len(l2r), 1) ** alpha)
+            j += 1
+            if total > best[i][0]:
+                best[i] = (total, l2r)
     return {"tokens": [t for _, t in best], "scores": [s for s, _ in best]}
+
+
+def rescore_opposite(model, memory: torch.Tensor, memory_mask: torch.Tensor,
+                     cands: list[list[tuple[float, list[int], int]]], known: list[dict] | None = None,
+                     positions_per_pass: int = 8192) -> list[float]:
+    """log p(hypothesis) under the direction that did not find it, teacher forced with both
+    end tokens, for every candidate of every image (image by image, in order).
+
+    ``known[i]``: (tokens left-to-right, direction) -> the score that direction's own search
+    gave the hypothesis when it finished it too (the same log-probability, summed step by
+    step): used instead of scoring it again. The rest run sorted by length in passes of about
+    ``positions_per_pass`` tokens, so that short hypotheses are not padded to the longest."""
+    dev = memory.device
+    out = [0.0] * sum(len(c) for c in cands)
+    todo: list[tuple[int, int, list[int]]] = []  # (candidate number, image, full sequence)
+    j = 0
+    for i, c in enumerate(cands):
+        for _, l2r, d in c:
+            hit = None if known is None else known[i].get((tuple(l2r), 1 - d))
+            if hit is not None:
+                out[j] = hit
+            else:  # scored by direction 1 - d: left-to-right reads <sos> y, right-to-left <eos> y reversed
+                todo.append((j, i, [SOS, *l2r, EOS] if d == 1 else [EOS, *l2r[::-1], SOS]))
+            j += 1
+    todo.sort(key=lambda x: len(x[2]))
+    a = 0
+    while a < len(todo):
+        z = a + 1  # the longest pass whose padded size stays within the budget (at least one row)
+        while z < len(todo) and (z + 1 - a) * (len(todo[z][2]) - 1) <= positions_per_pass:
+            z += 1
+        part = todo[a:z]
+        t_max = len(part[-1][2]) - 1
+        rows = torch.full((len(part), t_max + 1), PAD, dtype=torch.long)
+        for r, (_, _, q) in enumerate(part):
+            rows[r, : len(q)] = torch.tensor(q)
+        rows = rows.to(dev)
+        # inputs <start> y, targets y <end>: the last token of each sequence is only a target
+        lengths = torch.tensor([len(q) - 1 for _, _, q in part], device=dev)
+        inp = rows[:, :-1].masked_fill(torch.arange(t_max, device=dev)[None] >= lengths[:, None], PAD)
+        owner = torch.tensor([i for _, i, _ in part], device=dev)
+        scores = model.sequence_logprob(inp, rows[:, 1:], memory, memory_mask, owner=owner).tolist()
+        for (jj, _, _), sc in zip(part, scores):
+            out[jj] = sc
+        a = z
+    return out

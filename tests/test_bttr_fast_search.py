@@ -1,0 +1,158 @@
+"""BTTR's search laid out for speed: shared memory per image, live hypotheses only, a growing
+key/value cache, images encoded by size, the rescoring reusing scores both directions found,
+and bfloat16 autocast. Each layout gives what the plain one gives."""
+import pytest
+import torch
+
+from tellkit.layers.attention import KVCache, MultiheadAttention, RowGroups, SharedKV
+from tellkit.models.bttr import Decoder
+from tellkit.models.bttr_search import joint_search
+from tellkit.utils.precision import cpu_has_bf16
+from test_bttr import LABELS, TINY, batch_of, images, tiny_model  # noqa: I001  (tests/ is on the path)
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    """test_bttr's fitted tiny model: searches end at different lengths, directions disagree."""
+    import torch.nn.functional as F
+
+    from tellkit.models.bttr import BTTR, PAD, BTTRConfig, bidirectional_targets
+
+    torch.manual_seed(0)
+    m = BTTR(BTTRConfig(**TINY)).eval()
+    b = batch_of(images(), LABELS)
+    with torch.no_grad():
+        mem, mask = m.encode(b["image"], b["image_mask"])
+    inp, tgt = bidirectional_targets(b["labels"], b["label_lengths"])
+    opt = torch.optim.Adam(m.decoder.parameters(), 1e-2)
+    m.decoder.train()
+    for _ in range(40):
+        logits = m.decoder(inp, mem.repeat(2, 1, 1), mask.repeat(2, 1))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=PAD)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval()
+
+
+def _images(n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [(32, 64), (48, 32), (16, 96), (32, 64), (64, 48), (16, 32)]
+    return [torch.rand(1, *sizes[i % len(sizes)], generator=g) for i in range(n)]
+
+
+@pytest.mark.parametrize("owner", [[0, 0, 1, 1, 1, 2], [2, 0, 1, 0, 2, 2], [0, 0, 1, 1, 2, 2]])
+def test_shared_keys_values_equal_one_copy_per_row(owner):
+    torch.manual_seed(0)
+    mha = MultiheadAttention(16, 4).eval()
+    mem = torch.randn(3, 5, 16)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] + [True] * 4])
+    kv = mha.project_kv(mem, key_padding_mask=pad)
+    owner = torch.tensor(owner)
+    q = torch.randn(len(owner), 2, 16)
+    shared, w_shared = mha.attend(q, SharedKV.of(kv, owner), need_weights=True)
+    fused, _ = mha.attend(q, SharedKV.of(kv, owner))
+    per_row, w_row = mha.attend(q, kv.index_select(owner), need_weights=True)
+    torch.testing.assert_close(shared, per_row, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused, per_row, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w_shared, w_row, atol=1e-6, rtol=1e-5)
+
+
+def test_row_groups_layout_round_trips():
+    owner = torch.tensor([1, 1, 0, 2, 1])
+    g = RowGroups(owner, 3)
+    assert g.width == 3 and not g.regular
+    x = torch.arange(5.0)[:, None]
+    assert torch.equal(g.to_rows(g.to_inputs(x)), x)
+    assert RowGroups(torch.tensor([0, 0, 1, 1]), 2).regular
+
+
+def test_reindexing_shared_rows_drops_inputs_nobody_reads():
+    torch.manual_seed(0)
+    mha = MultiheadAttention(8, 2).eval()
+    kv = mha.project_kv(torch.randn(3, 4, 8))
+    shared = SharedKV.share([kv, kv], torch.tensor([0, 0, 1, 2, 2]))
+    out = SharedKV.reindex(shared, torch.tensor([4, 3, 3, 0]))  # input 1 has no row left
+    assert out[0].groups is out[1].groups
+    assert out[0].kv.k.shape[0] == 2 and out[0].groups.owner.tolist() == [1, 1, 1, 0]
+    assert torch.equal(out[0].kv.k[1], kv.k[2]) and torch.equal(out[0].kv.k[0], kv.k[0])
+
+
+def test_growing_cache_appends_in_place_and_reorders_by_copy():
+    a = torch.randn(3, 2, 1, 4)
+    cache = KVCache.empty(a, capacity=2)
+    steps = [torch.randn(3, 2, 1, 4) for _ in range(5)]  # past the capacity: it grows
+    for s in steps:
+        k, v = cache.append(s, -s)
+    assert torch.equal(k, torch.cat(steps, 2)) and torch.equal(v, -torch.cat(steps, 2))
+    idx = torch.tensor([2, 0])
+    moved = cache.index_select(idx)
+    assert torch.equal(moved.k, torch.cat(steps, 2)[idx]) and torch.equal(cache.k, torch.cat(steps, 2))
+    moved.append(steps[0][:2], steps[0][:2])
+    assert moved.length == 6 and cache.length == 5
+
+
+def test_encoding_by_size_equals_the_padded_batch_where_real():
+    m = tiny_model()
+    b = batch_of(_images(6))
+    with torch.no_grad():
+        mem, mask = m.encode(b["image"], b["image_mask"])
+        mem2, mask2 = m.encode_by_size(b["image"], b["image_mask"])
+    assert torch.equal(mask, mask2)
+    torch.testing.assert_close(mem2[mask2], mem[mask], atol=1e-5, rtol=1e-5)
+    assert float(mem2[~mask2].abs().max()) == 0.0
+
+
+def test_shared_memory_search_equals_one_copy_per_row(fitted, monkeypatch):
+    """The layout CoMER gets (its layers override the cross-attention) gives the same search."""
+    b = batch_of(images())
+    fast = fitted.generate(b["image"], b["image_mask"])
+    monkeypatch.setattr(Decoder, "shares_memory", property(lambda self: False))
+    slow = fitted.generate(b["image"], b["image_mask"])
+    assert fast["tokens"] == slow["tokens"]
+    assert all(abs(x - y) < 1e-4 for x, y in zip(fast["scores"], slow["scores"]))
+
+
+def test_rescoring_reuses_exactly_what_teacher_forcing_gives(fitted, monkeypatch):
+    """Scores a hypothesis got in the other direction's own beam replace its teacher-forced
+    rescoring; turning the reuse off changes no choice and no score beyond rounding."""
+    import tellkit.models.bttr_search as bs
+
+    b = batch_of(_images(6))
+    reuse = fitted.generate(b["image"], b["image_mask"], beam_size=4)
+    orig = bs.rescore_opposite
+    monkeypatch.setattr(bs, "rescore_opposite", lambda m, mem, mask, cands, known=None: orig(m, mem, mask, cands))
+    plain = fitted.generate(b["image"], b["image_mask"], beam_size=4)
+    assert reuse["tokens"] == plain["tokens"]
+    assert all(abs(x - y) < 1e-4 for x, y in zip(reuse["scores"], plain["scores"]))
+
+
+def test_rescoring_in_short_passes_equals_one_pass(fitted):
+    from tellkit.models.bttr_search import rescore_opposite
+
+    b = batch_of(images())
+    mem, mask = fitted.encode(b["image"], b["image_mask"])
+    cands = [[(0.0, [5, 6, 7], 0), (0.0, [9], 1)], [(0.0, [], 0), (0.0, [11, 12, 13, 14, 15], 1)],
+             [(0.0, [8, 8], 1)]]
+    with torch.no_grad():
+        one = rescore_opposite(fitted, mem, mask, cands, positions_per_pass=10_000)
+        many = rescore_opposite(fitted, mem, mask, cands, positions_per_pass=1)
+    assert all(abs(x - y) < 1e-5 for x, y in zip(one, many))
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bfloat16")
+def test_bf16_search_runs_and_mostly_agrees_with_fp32(fitted):
+    b = batch_of(_images(6) + images())
+    full = fitted.generate(b["image"], b["image_mask"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = fitted.generate(b["image"], b["image_mask"])
+    assert all(isinstance(s, float) and s == s for s in half["scores"])  # float scores, no NaN
+    same = sum(x == y for x, y in zip(full["tokens"], half["tokens"]))
+    assert same >= 0.7 * len(full["tokens"]), (full["tokens"], half["tokens"])
+
+
+def test_greedy_one_direction_is_unchanged_by_the_layout(fitted):
+    """beam 1, one direction: the live-rows-only search is greedy decoding."""
+    x = images()[0][None]
+    out = joint_search(fitted, x, None, beam_size=1, max_len=12, bidirectional=False, rescore=False)
+    assert len(out["tokens"]) == 1

@@ -80,20 +80,24 @@ def test_batches_hold_at_most_the_memory_budget_and_a_large_item_runs_alone():
     assert budget.used == 0 and budget.peak == 500
 
 
-def test_workers_sharing_a_budget_never_run_over_it_together():
-    budget, running, most = MemoryBudget(100), [0], [0]
+def test_workers_sharing_a_budget_never_run_over_it_together_and_take_turns():
+    budget, running, most, calls = MemoryBudget(100), [0], [0], []
     lock = threading.Lock()
 
-    def fn(items):
-        with lock:
-            running[0] += 60
-            most[0] = max(most[0], running[0])
-        time.sleep(0.05)
-        with lock:
-            running[0] -= 60
-        return items
+    def model(name):
+        def fn(items):
+            with lock:
+                running[0] += 60
+                most[0] = max(most[0], running[0])
+                calls.append(name)
+            time.sleep(0.05)
+            with lock:
+                running[0] -= 60
+            return items
+        return fn
 
-    a, b = (BatchWorker(n, fn, max_batch=1, budget=budget) for n in ("a", "b"))
+    a, b = BatchWorker("a", model("a"), max_batch=1, budget=budget), BatchWorker("b", model("b"), max_batch=1,
+                                                                                  budget=budget)
     try:
         futs = [w.submit(i, cost=60) for i in range(4) for w in (a, b)]
         [f.result(10) for f in futs]
@@ -101,6 +105,32 @@ def test_workers_sharing_a_budget_never_run_over_it_together():
         a.close()
         b.close()
     assert most[0] == 60
+    assert calls in (["a", "b"] * 4, ["b", "a"] * 4), calls  # neither worker starves the other
+
+
+def test_a_small_item_runs_beside_a_large_one_on_the_small_lane():
+    gate, entered, done = threading.Event(), threading.Event(), []
+
+    def fn(items):
+        if "large" in items:
+            entered.set()
+            gate.wait(5)
+        done.extend(items)
+        return items
+
+    w = BatchWorker("t", fn, max_batch=4, budget=MemoryBudget(100), small_lane_bytes=25)
+    try:
+        large = w.submit("large", cost=70)
+        assert entered.wait(5)
+        assert w.submit("small", cost=20).result(5) == "small"  # answered while the large one runs
+        assert not large.done() and done == ["small"]
+        big2 = w.submit("large2", cost=40)  # not for the small lane: waits for the first
+        time.sleep(0.2)
+        assert not big2.done()
+        gate.set()
+        assert large.result(5) == "large" and big2.result(5) == "large2"
+    finally:
+        w.close()
 
 
 def test_a_cheap_item_is_not_stuck_behind_expensive_ones():
@@ -137,7 +167,7 @@ def test_work_that_cannot_finish_in_time_is_refused_with_a_retry_time():
         futs = [w.submit(i, work=1.0, deadline_s=5.0) for i in range(3)]
         with pytest.raises(QueueFull) as exc:
             w.submit("late", work=30.0, deadline_s=5.0)  # ~6 s of work alone
-        assert exc.value.retry_after >= 1 and "more than the 5 s" in str(exc.value)
+        assert exc.value.retry_after >= 1 and "the 5 s a request may take" in str(exc.value)
         [f.result(10) for f in futs]
         assert w.snapshot()["refused_busy"] == 1
     finally:
@@ -176,10 +206,10 @@ def test_a_search_costs_more_on_a_larger_grid_and_an_unprepared_input_costs_the_
     small = recognition_cost(Model(), torch.zeros(1, 64, 96))
     noise = recognition_cost(Model(), torch.zeros(1, 576, 576))
     worst = recognition_cost(Model(), None)
-    assert small.bytes < 80 << 20 < 300 << 20 < noise.bytes == worst.bytes
+    assert small.bytes < 60 << 20 < 100 << 20 < noise.bytes == worst.bytes < 200 << 20
     assert small.work < noise.work
-    # the keys and values of 2 x 10 rows over 36 x 36 cells in 3 layers of width 256: 159 MiB
-    assert noise.bytes > 20 * 1296 * 256 * 2 * 3 * 4
+    # measured: one such search grows the peak by 96 MiB; its encoder alone by 79 MiB
+    assert noise.bytes > (96 << 20)
 
 
 def test_an_input_is_prepared_once_when_the_server_prepared_it():

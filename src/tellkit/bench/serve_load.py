@@ -59,8 +59,8 @@ def _default_models() -> list[str]:
     """Server arguments: each packaged default checkpoint that is installed, tiny untrained
     models (--untrained) for the others."""
     args: list[str] = []
-    for name in ("caption", "math"):
-        path = packaged_default(name)
+    for name, task in (("caption", "caption"), ("math", "recognize")):
+        path = packaged_default(task)
         if path is not None:
             args += ["--checkpoint", f"{name}={path}"]
     if len(args) < 4:
@@ -90,11 +90,12 @@ def _proc_status(pid: int) -> dict[str, int]:
     return out
 
 
-def _start_server(model_args: list[str], max_batch: int, threads: int) -> tuple[subprocess.Popen, str]:
+def _start_server(model_args: list[str], max_batch: int, threads: int,
+                  timeout: float = 120.0) -> tuple[subprocess.Popen, str]:
 
     port = free_port()
     cmd = [sys.executable, "-m", "tellkit", "serve", "--host", "127.0.0.1", "--port", str(port), "--api-only",
-           "--max-batch", str(max_batch), "--max-wait-ms", "10", "--timeout", "120", "--log-level", "warning",
+           "--max-batch", str(max_batch), "--max-wait-ms", "10", "--timeout", f"{timeout:g}", "--log-level", "warning",
            *model_args]
     if threads:
         cmd += ["--threads", str(threads)]
@@ -345,10 +346,11 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
 
 
 def run_attack(model_args: list[str] | None = None, threads: int = 0, **kw) -> dict[str, Any]:
-    """:func:`attack` against a fresh ``tellkit serve`` (batching on), after a warm-up."""
+    """:func:`attack` against a fresh ``tellkit serve`` (batching on, the default 60 s request
+    timeout), after a warm-up."""
     photos, math = _inputs()
     model_args = list(model_args or _default_models())
-    proc, url = _start_server(model_args, 8, threads)
+    proc, url = _start_server(model_args, 8, threads, timeout=60.0)
     try:
         load_once(url, 4, 2, photos, math)  # warm-up (first-call allocations), not counted
         time.sleep(2.0)

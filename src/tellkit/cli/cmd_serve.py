@@ -49,9 +49,9 @@ def add_arguments(p) -> None:
                    help="widest beam served; a checkpoint's wider one is lowered to it (default 16)")
     p.add_argument("--max-gen-len", type=int, default=256,
                    help="most tokens generated per answer; a checkpoint's longer max_len is lowered (default 256)")
-    p.add_argument("--memory-budget-mb", type=int, default=256,
+    p.add_argument("--memory-budget-mb", type=int, default=384,
                    help="estimated model working memory of the batches running at once, both models together; "
-                   "an input larger than this runs alone (default 256)")
+                   "an input larger than this runs alone (default 384)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--api-only", action="store_true", help="serve the API without the page")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from tellkit.decoding.runaway import stopping_runaways
 from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import Strokes
 from tellkit.server.backends import batch_function, bound_generation, public_info
-from tellkit.server.batching import BatchWorker, MemoryBudget, QueueFull
+from tellkit.server.batching import BatchWorker, MemoryBudget, PriorityPool, QueueFull
 from tellkit.server.budget import Cost, PrepareOnce, caption_cost, preparer, reads_faces, recognition_cost
 from tellkit.server.limits import Limits, RequestError, check_article, check_framing, decode_image, multipart_boundary
 from tellkit.server.samples import sample_file, sample_index
@@ -348,8 +347,9 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     for name, backend in (("caption", captioner), ("math", recognizer)):
         if backend is not None:  # the search bounded, and fewer images per pass for a wide beam
             batch = max(1, min(max_batch, limits.max_search_rows // bound_generation(backend, limits)))
+            small = limits.memory_budget_bytes // 4 if name == "math" else None  # drawings beside a large input
             workers[name] = BatchWorker(name, _stopping_runaways(_batch_fn(name, backend)), batch, max_wait_ms / 1000,
-                                        limits.max_queue, budget=budget)
+                                        limits.max_queue, budget=budget, small_lane_bytes=small)
             costs[name] = InputCost(name, backend)
     models = {"caption": public_info(captioner), "math": public_info(recognizer)}
     reader = ImageReader(limits)
@@ -467,8 +467,10 @@ class ModelRunner:
         costing = self.costs.get(name)
         if costing is None:
             return Cost(0, 1.0)
+        size = getattr(item[0] if isinstance(item, tuple) else item, "size", None)
+        pixels = size[0] * size[1] if isinstance(size, tuple) and len(size) == 2 else 0
         try:
-            return await reader.call(costing, item)
+            return await reader.call(costing, item, pixels=pixels)
         except TellkitError as exc:
             raise RequestError(422, "bad_input", str(exc)) from None
 
@@ -496,25 +498,33 @@ class ImageReader:
     full-size bitmaps exist at once, and only those threads' malloc arenas ever hold one (on a
     shared pool of 40 threads each arena keeps its own freed bitmap: measured 466 vs 166 MiB peak
     growth for 8 concurrent 16 M-pixel uploads). The upload is read from the form parser's
-    spooled file (on disk past 1 MiB), not copied into memory first."""
+    spooled file (on disk past 1 MiB), not copied into memory first. The threads take the job due
+    first (:class:`~tellkit.server.batching.PriorityPool`), weighted by its size, so a burst of
+    large uploads does not hold up a small one."""
+
+    # seconds of patience per byte of upload / per pixel of a decoded image (1 MB or 50 k pixels: 1 s)
+    WEIGHT_PER_BYTE, WEIGHT_PER_PIXEL = 1e-6, 2e-5
+    HEAVY_PIXELS = 320_000  # preparing more than this (ink analysis in Python): one such job at a time
 
     def __init__(self, limits: Limits):
         self.limits = limits
-        self.pool = ThreadPoolExecutor(limits.max_decoding, thread_name_prefix="tellkit-decode")
+        self.pool = PriorityPool(limits.max_decoding, "tellkit-decode")
 
     def _decode(self, upload, max_side: int):
         upload.file.seek(0)
         return decode_image(upload.file, self.limits, upload.content_type, max_side)
 
     async def read(self, upload, max_side: int) -> Any:
-        return await asyncio.wrap_future(self.pool.submit(self._decode, upload, max_side))
+        weight = (getattr(upload, "size", None) or 0) * self.WEIGHT_PER_BYTE
+        return await asyncio.wrap_future(self.pool.submit(self._decode, upload, max_side, weight_s=weight))
 
-    async def call(self, fn, *args) -> Any:
-        """``fn(*args)`` on the decoding threads (parsing strokes, preparing an input)."""
-        return await asyncio.wrap_future(self.pool.submit(fn, *args))
+    async def call(self, fn, *args, pixels: int = 0) -> Any:
+        """``fn(*args)`` on the decoding threads (parsing strokes, preparing an input of ``pixels``)."""
+        return await asyncio.wrap_future(self.pool.submit(fn, *args, weight_s=pixels * self.WEIGHT_PER_PIXEL,
+                                                          heavy=pixels > self.HEAVY_PIXELS))
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 def response_models() -> dict[str, type]:
@@ -611,7 +621,7 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
         if (image is None) == (strokes is None):
             raise RequestError(422, "invalid_request", "send exactly one of 'image' (a file) or 'strokes' (JSON)")
         if strokes is not None:
-            item, original = await reader.call(parse_strokes, strokes, limits), None
+            item, original = await reader.call(parse_strokes, strokes, limits, pixels=len(strokes) // 4), None
         else:
             item, original = await reader.read(image, limits.math_max_side)
         cost = await runner.cost("math", item, reader)

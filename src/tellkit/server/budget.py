@@ -3,14 +3,15 @@
 A recognizer's input is prepared (rendered or scaled to the model's training size, which for a
 bitmap depends on its ink, not on its pixel count) on the server's decoding threads; from the
 prepared image's size follow BTTR's encoder grid (one cell per 16 x 16 pixels) and so the working
-set of its search: for each of the 2 x beam decoder rows (both directions), the grid's projected
-keys and values in every decoder layer, plus the self-attention cache up to ``max_len`` tokens and
-the encoder's activations. :func:`estimate` turns that into bytes (for the shared
+set of its search: the grid's projected keys and values in every decoder layer (one copy per
+image, shared by the beams of both directions, and again in the rescoring pass), the
+self-attention cache of the 2 x beam decoder rows up to ``max_len`` tokens, and the encoder's
+activations. :func:`recognition_cost` turns that into bytes (for the shared
 :class:`~tellkit.server.batching.MemoryBudget`) and units of work (for the worker's time estimate).
 
 Measured on the packaged BTTR (beam 10, d_model 256, 3 decoder layers; a 300 x 300 noise PNG is
-prepared to 576 x 576, 1,296 cells): one search grows the process's peak by 248 MiB, two in one
-batch by 577 MiB; the estimate is 344 MiB a search (docs/server.md).
+prepared to 576 x 576, 1,296 cells): one search grows the process's peak by 96 MiB, two in one
+batch by 188 MiB; the estimate is 141 MiB a search (docs/server.md).
 
 :class:`PrepareOnce` is the bridge that lets the server prepare an input on its own threads while
 the pipeline's call stays ``model(items)``: the pipeline's per-input ``prepare`` finds the result
@@ -28,7 +29,8 @@ from typing import Any
 GRID_STRIDE = 16            # BTTR's DenseNet encoder: one memory cell per 16 x 16 input pixels
 WORST_PIXELS = 576 * 576    # an input the server could not prepare first: the renderer's cap, padded
 ENCODER_BYTES_PER_PIXEL = 240  # DenseNet activations at their peak (measured: 79 MiB for 576 x 576)
-KV_OVERHEAD = 1.3           # allocator slack and the rescoring pass over the same keys and values
+KV_COPIES = 2               # the projected memory in the search and again in the rescoring pass
+CACHE_OVERHEAD = 1.5        # the self-attention cache and the copy made when beams are reordered
 FIXED_BYTES = 8 << 20
 CAPTION_FIXED_BYTES = 8 << 20  # a caption's encoders and search besides its image copies
 CAPTION_BYTES_PER_PIXEL = 6     # measured: 66 MiB for a batch of four 1600 x 1600 photos (packaged captioner)
@@ -123,9 +125,9 @@ def recognition_cost(model, prepared: Any = None) -> Cost:
     d, layers = int(getattr(cfg, "d_model", 256)), int(getattr(cfg, "num_decoder_layers", 3))
     rows = 2 * beam  # both directions
     per_row = 2 * layers * d * 4  # keys and values, float32, every layer: per memory cell or past token
-    kv = rows * cells * per_row
-    cache = 2 * rows * length * per_row  # the self-attention cache at max_len, and its reordered copy
-    total = KV_OVERHEAD * kv + cache + ENCODER_BYTES_PER_PIXEL * pixels + FIXED_BYTES
+    kv = KV_COPIES * cells * per_row  # one projected memory per image, shared by its rows
+    cache = CACHE_OVERHEAD * rows * length * per_row  # the self-attention cache at max_len
+    total = kv + cache + ENCODER_BYTES_PER_PIXEL * pixels + FIXED_BYTES
     return Cost(int(total), float(rows * (cells + 64)))
 
 

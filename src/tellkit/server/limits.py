@@ -55,7 +55,7 @@ class Limits:
     max_stroke_count: int = 2_000               # strokes in one drawing
     max_stroke_points: int = 100_000            # points in all its strokes
     max_stroke_chars: int = 5_000_000           # characters of the 'strokes' field (~40 a point at full precision)
-    memory_budget_mb: int = 256                 # estimated model working memory of the batches running at once
+    memory_budget_mb: int = 384                 # estimated model working memory of the batches running at once
 
     def __post_init__(self):
         for name in ("max_upload_bytes", "max_image_pixels", "max_article_chars", "max_queue", "max_inflight",

@@ -158,11 +158,11 @@ def test_train_then_evaluate_show_attend_tell_directly(tmp_path, shared_data):
     assert res["n"] == 5 and "cider" in res["metrics"]
     # the run serves `tellkit caption` like a Transform and Tell run: attention over the grid per token
     image = next((shared_data / "flickr8k").rglob("*.jpg"))
-    rc, stdout, err = _cli("caption", "--image", image, "--checkpoint", run, "--json", "--max-len", 6)
+    rc, stdout, err = _cli("caption", image, "--model", run, "--json", "--max-len", 6)
     assert rc == 0, err
     cap = json.loads(stdout)
     assert cap["model"]["name"] == "show_attend_tell" and cap["model"]["trained"] is True
-    assert 1 <= len(cap["tokens"]) <= 7 and isinstance(cap["caption"], str)
+    assert 1 <= len(cap["tokens"]) <= 7 and isinstance(cap["text"], str)
     grid = cap["grid"]["rows"] * cap["grid"]["cols"]
     for tok in cap["tokens"]:
         assert set(tok["attention"]) == {"image"} and len(tok["attention"]["image"]) == grid

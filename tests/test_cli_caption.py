@@ -36,7 +36,7 @@ def test_bad_inputs_fail_with_one_line(tmp_path, capsys, monkeypatch):
     assert "empty" in one_line_error(capsys, ["caption", img, "--article", str(tmp_path / "empty.txt")])
     (tmp_path / "latin1.txt").write_bytes("Caf\xe9 in Paris".encode("latin-1"))
     assert "UTF-8" in one_line_error(capsys, ["caption", img, "--article", str(tmp_path / "latin1.txt")])
-    assert "directory" in one_line_error(capsys, ["caption", img, "--article", str(tmp_path)])
+    assert "a folder, not a regular file" in one_line_error(capsys, ["caption", img, "--article", str(tmp_path)])
     assert "not found" in one_line_error(capsys, ["caption", img, "--article", str(tmp_path / "x.txt")])
     assert "checkpoint" in one_line_error(capsys, ["caption", img, "--model", str(tmp_path)])
 

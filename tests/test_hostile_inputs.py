@@ -1,8 +1,7 @@
 """Issue 39 outside the server: files that are not files (/dev/zero, FIFOs, /proc, looping links)
 are refused before anything is read or written; config values of the wrong type or not finite are
 refused where a config is read; `tellkit serve` refuses out-of-range settings in one line before
-it loads a model. The cases marked xfail need the wiring listed in their reason (commands being
-rewritten at the time); strict, so that each fails loudly once wired and its mark can go."""
+it loads a model."""
 from __future__ import annotations
 
 import json
@@ -185,7 +184,7 @@ def test_serve_on_a_gpu_this_machine_lacks_is_one_line(capsys):
     assert code == 2 and "no CUDA GPU" in err and len(err.splitlines()) == 1, err
 
 
-# --- commands whose input paths are wired after the Pipeline refactor --------------------------------
+# --- the inference and evaluation commands' paths and sizes ------------------------------------------
 def _limited():
     resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # an endless read fails instead of eating the machine
 
@@ -198,11 +197,7 @@ def tellkit(*args, timeout=60):
         pytest.fail(f"tellkit {' '.join(map(str, args))} hung for {exc.timeout} s")
 
 
-WIRE_ARTICLE = "cmd_caption: read --article with tellkit.utils.files.read_text (after the Pipeline refactor)"
-
-
 @pytest.mark.slow
-@pytest.mark.xfail(reason=WIRE_ARTICLE, strict=True)
 @pytest.mark.parametrize("article", ["/dev/zero", "fifo"])
 def test_caption_refuses_an_article_that_is_not_a_file(tmp_path, fifo, article):
     from tellkit.bench.serve_load import ASSETS
@@ -213,15 +208,11 @@ def test_caption_refuses_an_article_that_is_not_a_file(tmp_path, fifo, article):
                    "not a regular file")
 
 
-@pytest.mark.xfail(reason="cmd_evaluate: check_output_path(args.out, '--out', folder=True) before the evaluation "
-                   "(after the Pipeline refactor)", strict=True)
 def test_evaluate_refuses_an_out_under_proc_before_evaluating(tiny_bttr, tmp_path):
     res = tellkit("evaluate", tiny_bttr, "--data", tmp_path, "--out", "/proc/tellkit-eval", timeout=60)
     one_line_error(res, "under /proc")
 
 
-@pytest.mark.xfail(reason="recognize --stroke-size: an upper bound (data.render.stroke_size at most 256 px) "
-                   "(after the Pipeline refactor)", strict=True)
 def test_recognize_refuses_a_huge_stroke_size(tmp_path):
     from tellkit.pipelines.recognition import SAMPLE_INKML
 

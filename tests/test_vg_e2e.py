@@ -116,15 +116,15 @@ def test_train_evaluate_summarize_bart(tmp_path, shared_data):
     ex = test_set[0]
     transcript = tmp_path / "transcript.txt"
     transcript.write_text(ex.transcript + "\n")
-    rc, out = _cli("summarize", "--transcript", transcript, "--features", ex.features, "--checkpoint", run, "--json")
+    rc, out = _cli("summarize", transcript, "--features", ex.features, "--model", run, "--json")
     assert rc == 0
     result = json.loads(out.strip().splitlines()[-1])
-    words = result["summary"].split()
+    words = result["text"].split()
     assert words and result["frames"] == 173
     vocab = set(json.loads((bb / "tokenizer.json").read_text())["model"]["vocab"])
     assert set(words) <= vocab
     # same checkpoint (best), same decoding settings (the recipe's eval section): same summary
-    assert result["summary"] == preds[0]["prediction"]
+    assert result["text"] == preds[0]["prediction"]
     # bad input is one line and exit 2
     assert _cli("summarize", "--transcript", transcript, "--checkpoint", run)[0] == 2
     missing = tmp_path / "missing.txt"

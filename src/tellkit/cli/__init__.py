@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tellkit._version import __version__
 from tellkit.errors import TellkitError
+from tellkit.utils.files import read_text
 
 
 def positive_int(text: str) -> int:
@@ -45,15 +46,13 @@ def positive_float(text: str) -> float:
     return value
 
 
+MAX_TEXT_BYTES = 64 * 2**20
+
+
 def read_text_file(path, what: str) -> str:
-    """A UTF-8 text file named by option ``what``, or a one-line :class:`TellkitError`."""
-    p = Path(path)
-    if not p.is_file():
-        raise TellkitError(f"{what}: file not found: {p}")
-    try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise TellkitError(f"{what}: {p} is not UTF-8 text") from exc
+    """A regular UTF-8 text file named by option ``what`` (not a folder, FIFO or device; at most
+    64 MiB), or a one-line :class:`TellkitError`."""
+    return read_text(path, what, MAX_TEXT_BYTES)
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")

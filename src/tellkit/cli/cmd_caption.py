@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from tellkit.cli import IMAGE_SUFFIXES, add_model_arguments, expand_inputs, note_dtype
 from tellkit.errors import TellkitError
@@ -30,6 +29,7 @@ from tellkit.errors import TellkitError
 NAME = "caption"
 HELP = "caption photos (files, folders, globs), optionally with an article, with the default or a trained captioner"
 CHUNK = 64  # images decoded and held at once
+MAX_ARTICLE_BYTES = 4 * 2**20
 
 
 def add_arguments(p) -> None:
@@ -45,20 +45,12 @@ def add_arguments(p) -> None:
 
 
 def read_article(path: str) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise TellkitError(f"{p}: article not found")
-    if p.is_dir():
-        raise TellkitError(f"{p}: is a directory, expected a text file")
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TellkitError(f"{p}: not UTF-8 text (byte {exc.start})") from None
-    except OSError as exc:
-        raise TellkitError(f"{p}: cannot read ({exc.strerror})") from None
-    text = text.lstrip("\ufeff")
+    """A regular UTF-8 text file (not a folder, FIFO or device; at most MAX_ARTICLE_BYTES)."""
+    from tellkit.utils.files import read_text  # heavy
+
+    text = read_text(path, "--article", MAX_ARTICLE_BYTES).lstrip("\ufeff")
     if not text.strip():
-        raise TellkitError(f"{p}: the article is empty")
+        raise TellkitError(f"--article: {path}: the article is empty")
     return text
 
 

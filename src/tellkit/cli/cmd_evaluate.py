@@ -37,7 +37,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from tellkit.utils.files import check_output_path  # heavy
     from tellkit.workflows import evaluate_checkpoint  # heavy
+
+    if args.out:  # a looping link, /proc, a file: refused before the evaluation
+        check_output_path(args.out, "--out", folder=True)
 
     result = evaluate_checkpoint(args.checkpoint, args.split, data=args.data, overrides=args.overrides, out=args.out,
                                  batch_size=args.batch_size, device=args.device, progress=not args.no_progress,

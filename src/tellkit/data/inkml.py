@@ -275,6 +275,9 @@ def scan_folder(folder: str | os.PathLike, require_truth: bool = True, workers: 
 
 
 # --- rendering ----------------------------------------------------------------------------------
+MAX_STROKE_SIZE = 256  # pixels: models read 16-32; a stroke larger than a whole training image is a mistake
+
+
 @dataclass(frozen=True)
 class RenderConfig:
     stroke_size: float = 32.0  # pixels for the median stroke's longer bounding-box side
@@ -293,6 +296,9 @@ class RenderConfig:
             if not ok or v < least or (strict and v == least):
                 need = f"> {least}" if strict else f">= {least}"
                 raise TellkitError(f"data.render.{name} must be a finite number {need}, got {v!r}")
+        if self.stroke_size > MAX_STROKE_SIZE:  # the renderer would draw an image of gigapixels first
+            raise TellkitError(f"data.render.stroke_size must be at most {MAX_STROKE_SIZE} pixels, "
+                               f"got {self.stroke_size:g}")
 
     def key(self) -> str:
         """Identifies the renderer and its settings (for render caches)."""

@@ -217,3 +217,19 @@ def test_recognize_refuses_a_huge_stroke_size(tmp_path):
     from tellkit.pipelines.recognition import SAMPLE_INKML
 
     one_line_error(tellkit("recognize", SAMPLE_INKML, "--stroke-size", "1e9", timeout=60), "stroke")
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "2.5", "true", "'ten'"])
+def test_a_data_limit_that_is_not_a_whole_number_of_samples_is_refused(value):
+    import yaml
+
+    from tellkit.data.recognition import RecognitionDataConfig
+    from tellkit.errors import TellkitError
+    from tellkit.recipes import section
+    from tellkit.tasks.captioning import CaptionDataConfig
+
+    n = yaml.safe_load(value)
+    for cls in (RecognitionDataConfig, CaptionDataConfig):
+        with pytest.raises(TellkitError, match=r"data\.limit.*whole number"):
+            section({"data": {"limit": {"train": n}}}, "data", cls)
+    assert section({"data": {"limit": {"train": None, "val": 5}}}, "data", RecognitionDataConfig).limit == {"val": 5}

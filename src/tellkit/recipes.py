@@ -111,6 +111,28 @@ MAX_BEAM_SIZE = 256
 MAX_GENERATION_LEN = 1024
 
 
+def check_limits(limit: Mapping[str, Any] | None) -> dict[str, int]:
+    """``data.limit`` ({split: N}): the first / a seeded N samples of a split. Splits are those of
+    :data:`SPLITS`; N is a whole number >= 1, or null for the whole split. Returns the limits
+    that are set, as ints; a one-line :class:`TellkitError` otherwise."""
+    if limit is None:
+        return {}
+    if not isinstance(limit, Mapping):
+        raise TellkitError(f"data.limit must be a mapping such as {{val: 400}}, got {limit!r}")
+    bad = sorted(str(k) for k in set(limit) - set(SPLITS))
+    if bad:
+        raise TellkitError(f"data.limit: unknown split(s) {', '.join(bad)}; known: {', '.join(SPLITS)}")
+    out = {}
+    for split, n in limit.items():
+        if n is None:
+            continue
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise TellkitError(f"data.limit.{split} must be a whole number >= 1 (or null for the whole split), "
+                               f"got {n!r}")
+        out[split] = n
+    return out
+
+
 def check_search_setting(name: str, value: Any, low: int, high: int | None = None) -> int:
     """``value`` as an int in [low, high], else a one-line TellkitError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or int(value) != value:

@@ -16,7 +16,7 @@ from tellkit.data.crohme import ImageAugment
 from tellkit.data.ink_augment import InkAugment
 from tellkit.data.inkml import InkRenderer, RenderConfig, default_cache_dir
 from tellkit.errors import TellkitError
-from tellkit.recipes import SPLITS
+from tellkit.recipes import check_limits
 
 LAYOUTS = ("inkml", "tsv", "caption")
 
@@ -50,12 +50,10 @@ class RecognitionDataConfig:
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise TellkitError(f"data.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
-        for name in ("render", "augment", "limit"):
+        for name in ("render", "augment"):
             if not isinstance(getattr(self, name) or {}, Mapping):
                 raise TellkitError(f"data.{name} must be a mapping, got {getattr(self, name)!r}")
-        bad = sorted(set(self.limit) - set(SPLITS))
-        if bad:
-            raise TellkitError(f"data.limit: unknown split(s) {', '.join(bad)} (train|val|test)")
+        self.limit = check_limits(self.limit)
 
 
 def parse_augment(mapping: Mapping[str, Any] | None, where: str = "data.augment"):

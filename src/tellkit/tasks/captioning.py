@@ -73,9 +73,9 @@ from tellkit.recipes import (
     CONTEXT_MODES,
     CONTEXT_POLICIES,
     OBJECT_DIM,
-    SPLITS,
     GenerationSettings,
     SelfCriticalConfig,
+    check_limits,
     section,
 )
 from tellkit.registry import get_entry
@@ -132,13 +132,11 @@ class CaptionDataConfig:
             raise TellkitError(f"data.max_article_tokens must be at least 3, got {self.max_article_tokens}")
         if isinstance(self.max_caption_tokens, bool) or int(self.max_caption_tokens) < 1:
             raise TellkitError(f"data.max_caption_tokens must be at least 1, got {self.max_caption_tokens}")
-        for name in ("limit", "files", "options"):
+        for name in ("files", "options"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, Mapping):
                 raise TellkitError(f"data.{name} must be a mapping, got {v!r}")
-        bad = sorted(set(self.limit or {}) - set(SPLITS))
-        if bad:
-            raise TellkitError(f"data.limit: unknown split(s) {', '.join(map(str, bad))}; known: {', '.join(SPLITS)}")
+        self.limit = check_limits(self.limit) or None
         self.options = dict(self.options or {})
 
 

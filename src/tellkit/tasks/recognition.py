@@ -22,7 +22,7 @@ unknown key is an error)::
       max_pixels: 320000            # training images above this are dropped (reference)
       max_len: 200                  # training labels above this are dropped (reference)
       max_batch_pixels: 320000      # cap on padded pixels per batch (batch_size from train:)
-      limit: {train: 0, val: 0, test: 0}   # optional seeded subsets (0 = all)
+      limit: {train: N, val: N, test: N}   # optional seeded subsets (omitted or null = all)
     eval: {beam_size: 10, max_len: 200, alpha: 1.0, bidirectional: true, rescore: true,
            batch_size: 16}                 # images per search batch (val/test; no pixel cap)
 
@@ -214,7 +214,7 @@ class RecognitionTask(Task):
             if int(os.environ.get("RANK", "0")) == 0:
                 print(f"{split}: skipped {sum(skipped.values())} InkML file(s): "
                       + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items())), file=sys.stderr)
-        limit = int(d.limit.get(split, 0) or 0)
+        limit = d.limit.get(split)
         if limit and limit < len(exprs):
             exprs = random.Random(1234).sample(exprs, limit)
         is_train = split == "train"

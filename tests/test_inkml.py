@@ -297,6 +297,12 @@ def test_ink_components_match_skimage_labelling():
         want = sorted(max(r.bbox[2] - r.bbox[0], r.bbox[3] - r.bbox[1])
                       for r in regionprops(label(a > 0.5, connectivity=2)) if r.area >= 4)
         assert sorted(ink_component_sizes(a).tolist()) == want
+    # a serpentine: one component whose runs join only through long chains of rows
+    a = np.zeros((121, 121), np.float32)
+    for k in range(0, 120, 4):
+        a[k, 2:119] = 1
+        a[k : k + 5, 118 if (k // 4) % 2 == 0 else 2] = 1
+    assert sorted(ink_component_sizes(a).tolist()) == [117]
     # touching only at a corner is one component; a one-pixel gap is two
     a = np.zeros((6, 6), np.float32)
     a[0:2, 0:2] = a[2:4, 2:4] = 1

@@ -160,45 +160,55 @@ def load_split(root: str | os.PathLike, split: str, layout: str = "tsv",
 def ink_component_sizes(ink: np.ndarray, threshold: float = 0.5, min_pixels: int = 4) -> np.ndarray:
     """The longer bounding-box side (pixels) of each 8-connected ink component of ``ink``
     ([H, W], ink high), ignoring specks of fewer than ``min_pixels`` pixels. Components are
-    found from the runs of ink on each row (a run joins the runs of the row above it touches)."""
+    found from the runs of ink on each row: a run joins every run of the row above that it
+    touches (diagonals included), and the runs so joined are merged by label propagation with
+    pointer jumping, all in whole-array operations."""
     b = np.asarray(ink) > threshold
-    parent: list[int] = []
-    boxes: list[list[int]] = []  # per run: y0, y1, x0, x1, pixels
-
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    edge = np.zeros(b.shape[1] + 2, dtype=np.int8)
-    above: list[tuple[int, int, int]] = []  # runs of the previous row: (first, end, id)
-    for y in range(b.shape[0]):
-        edge[1:-1] = b[y]
-        d = np.diff(edge)
-        runs: list[tuple[int, int, int]] = []
-        j = 0
-        for s, e in zip(np.flatnonzero(d == 1).tolist(), np.flatnonzero(d == -1).tolist()):
-            rid = len(parent)
-            parent.append(rid)
-            boxes.append([y, y, s, e - 1, e - s])
-            while j < len(above) and above[j][1] < s:  # ends left of this run's left neighbour
-                j += 1
-            k = j
-            while k < len(above) and above[k][0] <= e:  # starts at most at this run's right neighbour
-                a, r = root(above[k][2]), root(rid)
-                if a != r:
-                    parent[r] = a
-                k += 1
-            runs.append((s, e, rid))
-        above = runs
-    comps: dict[int, list[int]] = {}
-    for i, (y0, y1, x0, x1, n) in enumerate(boxes):
-        c = comps.setdefault(root(i), [y0, y1, x0, x1, 0])
-        c[0], c[1], c[2], c[3] = min(c[0], y0), max(c[1], y1), min(c[2], x0), max(c[3], x1)
-        c[4] += n
-    return np.array([max(c[1] - c[0], c[3] - c[2]) + 1 for c in comps.values() if c[4] >= min_pixels],
-                    dtype=np.int64)
+    h, w = b.shape
+    if not b.any():
+        return np.zeros(0, dtype=np.int64)
+    edge = np.zeros((h, w + 2), dtype=np.int8)
+    edge[:, 1:-1] = b
+    d = np.diff(edge, axis=1)
+    ys, starts = np.nonzero(d == 1)  # row-major: rows ascending, runs left to right
+    _, ends = np.nonzero(d == -1)  # one past the run's last pixel
+    n = len(starts)
+    # runs of the row above that touch run r: their end >= r's start and their start <= r's end
+    # (8-connectivity); in row-major order they form the range [lo, hi) of run indices
+    span = w + 2
+    key_end = ys * span + ends
+    key_start = ys * span + starts
+    lo = np.searchsorted(key_end, (ys - 1) * span + starts, side="left")
+    hi = np.searchsorted(key_start, (ys - 1) * span + ends, side="right")
+    lo = np.maximum(lo, np.searchsorted(ys, ys - 1, side="left"))
+    hi = np.minimum(hi, np.searchsorted(ys, ys - 1, side="right"))
+    count = np.maximum(hi - lo, 0)
+    a = np.repeat(np.arange(n), count)
+    first = np.repeat(lo - np.cumsum(count) + count, count)
+    bnb = first + np.arange(len(a))  # the touching runs above
+    labels = np.arange(n)
+    while True:
+        m = np.minimum(labels[a], labels[bnb])
+        new = labels.copy()
+        np.minimum.at(new, a, m)
+        np.minimum.at(new, bnb, m)
+        new = new[new]  # pointer jumping
+        if np.array_equal(new, labels):
+            break
+        labels = new
+    _, comp = np.unique(labels, return_inverse=True)
+    k = comp.max() + 1
+    y0 = np.full(k, h, dtype=np.int64)
+    y1 = np.zeros(k, dtype=np.int64)
+    x0 = np.full(k, w, dtype=np.int64)
+    x1 = np.zeros(k, dtype=np.int64)
+    np.minimum.at(y0, comp, ys)
+    np.maximum.at(y1, comp, ys)
+    np.minimum.at(x0, comp, starts)
+    np.maximum.at(x1, comp, ends - 1)
+    pixels = np.bincount(comp, weights=ends - starts, minlength=k)
+    size = np.maximum(y1 - y0, x1 - x0) + 1
+    return size[pixels >= min_pixels].astype(np.int64)
 
 
 def pen_width(ink: np.ndarray, threshold: float = 0.5) -> float:

@@ -8,7 +8,7 @@ from tellkit.layers.attention import KVCache, MultiheadAttention, RowGroups, Sha
 from tellkit.models.bttr import Decoder
 from tellkit.models.bttr_search import joint_search
 from tellkit.utils.precision import cpu_has_bf16
-from test_bttr import LABELS, TINY, batch_of, images, tiny_model  # noqa: I001  (tests/ is on the path)
+from test_bttr import LABELS, TINY, _greedy, batch_of, images, tiny_model  # noqa: I001  (tests/ is on the path)
 
 
 @pytest.fixture(scope="module")
@@ -113,18 +113,44 @@ def test_shared_memory_search_equals_one_copy_per_row(fitted, monkeypatch):
     assert all(abs(x - y) < 1e-4 for x, y in zip(fast["scores"], slow["scores"]))
 
 
-def test_rescoring_reuses_exactly_what_teacher_forcing_gives(fitted, monkeypatch):
+@pytest.mark.parametrize("alpha", [1.0, 0.5])
+def test_reused_and_pruned_rescoring_choose_what_scoring_everything_chooses(fitted, alpha):
     """Scores a hypothesis got in the other direction's own beam replace its teacher-forced
-    rescoring; turning the reuse off changes no choice and no score beyond rounding."""
+    rescoring, and candidates that cannot win are not scored: same choices, same totals."""
+    from tellkit.models.bttr_search import beam_search, choose_best, rescore_opposite
+
+    b = batch_of(_images(6) + images())
+    n = b["image"].shape[0]
+    with torch.no_grad():
+        mem, mask = fitted.encode(b["image"], b["image_mask"])
+        start, end = torch.tensor([1, 2] * n), torch.tensor([2, 1] * n)
+        hyps = beam_search(fitted, mem, mask, start, end, 4, 12, owner=torch.arange(n).repeat_interleave(2))
+    cands = [[(sc, t if d == 0 else t[::-1], d) for d in (0, 1) for t, sc in hyps[2 * i + d]] for i in range(n)]
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(len(a[3]))
+        return rescore_opposite(*a, **k)
+
     import tellkit.models.bttr_search as bs
 
-    b = batch_of(_images(6))
-    reuse = fitted.generate(b["image"], b["image_mask"], beam_size=4)
-    orig = bs.rescore_opposite
-    monkeypatch.setattr(bs, "rescore_opposite", lambda m, mem, mask, cands, known=None: orig(m, mem, mask, cands))
-    plain = fitted.generate(b["image"], b["image_mask"], beam_size=4)
-    assert reuse["tokens"] == plain["tokens"]
-    assert all(abs(x - y) < 1e-4 for x, y in zip(reuse["scores"], plain["scores"]))
+    orig, bs.rescore_opposite = bs.rescore_opposite, counting
+    try:
+        with torch.no_grad():
+            fast = choose_best(fitted, mem, mask, cands, alpha)
+            n_fast = sum(calls)
+            calls.clear()
+            plain = choose_best(fitted, mem, mask, cands, alpha, reuse=False, prune=False)
+    finally:
+        bs.rescore_opposite = orig
+    assert sum(calls) == sum(len(c) for c in cands) and n_fast < sum(calls)
+    assert [t for _, t in fast] == [t for _, t in plain]
+    assert all(abs(x - y) < 1e-4 for (x, _), (y, _) in zip(fast, plain))
+    # and by hand: (own + other direction teacher forced) / len**alpha, the best of all
+    for i, c in enumerate(cands):
+        opp = rescore_opposite(fitted, mem, mask, [(i, t, d) for _, t, d in c])
+        want = max((sc + o) / max(len(t), 1) ** alpha for (sc, t, _), o in zip(c, opp))
+        assert abs(plain[i][0] - want) < 1e-5
 
 
 def test_rescoring_in_short_passes_equals_one_pass(fitted):
@@ -132,12 +158,13 @@ def test_rescoring_in_short_passes_equals_one_pass(fitted):
 
     b = batch_of(images())
     mem, mask = fitted.encode(b["image"], b["image_mask"])
-    cands = [[(0.0, [5, 6, 7], 0), (0.0, [9], 1)], [(0.0, [], 0), (0.0, [11, 12, 13, 14, 15], 1)],
-             [(0.0, [8, 8], 1)]]
+    items = [(0, [5, 6, 7], 0), (0, [9], 1), (1, [], 0), (1, [11, 12, 13, 14, 15], 1), (2, [8, 8], 1)]
     with torch.no_grad():
-        one = rescore_opposite(fitted, mem, mask, cands, positions_per_pass=10_000)
-        many = rescore_opposite(fitted, mem, mask, cands, positions_per_pass=1)
-    assert all(abs(x - y) < 1e-5 for x, y in zip(one, many))
+        one = rescore_opposite(fitted, mem, mask, items, positions_per_pass=10_000)
+        many = rescore_opposite(fitted, mem, mask, items, positions_per_pass=1)
+        alone = [rescore_opposite(fitted, mem, mask, [it])[0] for it in items]
+    assert all(abs(x - y) < 1e-5 and abs(x - z) < 1e-5 for x, y, z in zip(one, many, alone))
+
 
 
 @pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bfloat16")
@@ -151,8 +178,45 @@ def test_bf16_search_runs_and_mostly_agrees_with_fp32(fitted):
     assert same >= 0.7 * len(full["tokens"]), (full["tokens"], half["tokens"])
 
 
-def test_greedy_one_direction_is_unchanged_by_the_layout(fitted):
-    """beam 1, one direction: the live-rows-only search is greedy decoding."""
-    x = images()[0][None]
-    out = joint_search(fitted, x, None, beam_size=1, max_len=12, bidirectional=False, rescore=False)
-    assert len(out["tokens"]) == 1
+def test_one_direction_greedy_search_is_greedy_decoding(fitted):
+    """beam 1, one direction, no rescoring: the live-rows-only search is plain greedy decoding."""
+    for x in images():
+        out = joint_search(fitted, x[None], None, beam_size=1, max_len=12, bidirectional=False, rescore=False)
+        toks, score = _greedy(fitted, x[None], 12)
+        assert out["tokens"][0] == toks and abs(out["scores"][0] - score) < 1e-4
+
+
+def test_folded_encoder_equals_the_layer_by_layer_one():
+    """In eval mode with no padding and no gradient the DenseNet runs with batch norms folded
+    into its convolutions, 1x1 convolutions as products and no concatenation: same features;
+    the folded weights follow in-place changes of the parameters and statistics."""
+    m = tiny_model()
+    with torch.no_grad():  # some statistics away from the identity
+        for mod in m.encoder.modules():
+            if isinstance(mod, torch.nn.BatchNorm2d):
+                mod.running_mean.uniform_(-0.2, 0.2)
+                mod.running_var.uniform_(0.5, 1.5)
+    x = torch.rand(2, 1, 48, 64)
+    want, want_mask = m.encoder.densenet(x, None)  # gradients on: the layer-by-layer path
+    with torch.no_grad():
+        got, got_mask = m.encoder.densenet(x, None)
+        torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5)
+        assert torch.equal(got_mask, want_mask)
+        m.encoder.densenet.blocks[0][0].bn1.running_mean.add_(0.5)
+        moved = m.encoder.densenet(x, None)[0]
+    torch.testing.assert_close(moved, m.encoder.densenet(x, None)[0].detach(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(moved, got)
+
+
+def test_bucketed_rows_give_the_plain_product():
+    from tellkit.layers import rows
+
+    assert [rows.bucket(n) for n in (1, 16, 17, 33, 100, 1000)] == [16, 16, 18, 36, 104, 1024]
+    assert all(n <= rows.bucket(n) <= max(16, 1.125 * n) for n in range(1, 5000))
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 5)
+    x = torch.randn(3, 7, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = rows.linear(lin, x)
+        want = lin(x)
+    assert got.shape == (3, 7, 5) and torch.equal(got, want)

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tellkit.layers import rows
+
 
 @dataclass
 class ProjectedKV:
@@ -239,7 +241,7 @@ class MultiheadAttention(nn.Module):
         """Project a context [B, S, kdim] once; reuse the result for every query / step."""
         value = key if value is None else value
         S = key.size(1)
-        k, v = self.k_proj(key), self.v_proj(value)
+        k, v = rows.linear(self.k_proj, key), rows.linear(self.v_proj, value)
         if key_padding_mask is None:
             key_padding_mask = torch.zeros(key.shape[:2], dtype=torch.bool, device=key.device)
         k, v, mask = self._extra_slots(k, v, key_padding_mask)
@@ -254,7 +256,7 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("attn_mask does not apply to keys/values shared by rows")
             return self._attend_shared(query, kv, need_weights)
         B, T, _ = query.shape
-        q = self._split(self.q_proj(query) * self.scaling)
+        q = self._split(rows.linear(self.q_proj, query) * self.scaling)
         scores = torch.matmul(q, kv.k.transpose(-1, -2))  # [B, H, T, S']
         masked = None
         if kv.key_padding_mask is not None:
@@ -272,7 +274,7 @@ class MultiheadAttention(nn.Module):
         probs = probs.to(q.dtype)
         dropped = F.dropout(probs, p=self.dropout, training=self.training)
         out = torch.matmul(dropped, kv.v).transpose(1, 2).reshape(B, T, self.embed_dim)
-        out = self.out_proj(out)
+        out = rows.linear(self.out_proj, out)
         weights = probs[..., : kv.num_real].mean(dim=1) if need_weights else None
         return out, weights
 
@@ -281,7 +283,7 @@ class MultiheadAttention(nn.Module):
         that attends to that input's keys/values in one product (none is copied per row)."""
         g, p = kv.groups, kv.kv
         N, T, _ = query.shape
-        q = g.to_inputs(self.q_proj(query)).reshape(g.n_inputs, g.width * T, self.embed_dim)
+        q = g.to_inputs(rows.linear(self.q_proj, query)).reshape(g.n_inputs, g.width * T, self.embed_dim)
         q = self._split(q)  # [n_inputs, H, width*T, hd]
         k, v = p.k.to(q.dtype), p.v.to(q.dtype)
         allowed = None if p.key_padding_mask is None else ~p.key_padding_mask[:, None, None, :]
@@ -298,7 +300,7 @@ class MultiheadAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
                                                  dropout_p=self.dropout if self.training else 0.0)
         out = out.transpose(1, 2).reshape(g.n_inputs, g.width, T, self.embed_dim)
-        return self.out_proj(g.to_rows(out)), weights
+        return rows.linear(self.out_proj, g.to_rows(out)), weights
 
     # -- general entry point ----------------------------------------------------------------
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
@@ -312,7 +314,7 @@ class MultiheadAttention(nn.Module):
         """
         if key is not None:
             return self.attend(query, self.project_kv(key, value, key_padding_mask), attn_mask, need_weights)
-        k, v = self._split(self.k_proj(query)), self._split(self.v_proj(query))
+        k, v = self._split(rows.linear(self.k_proj, query)), self._split(rows.linear(self.v_proj, query))
         if cache is not None:
             if "self_kv" not in cache:
                 cache["self_kv"] = KVCache.empty(k)

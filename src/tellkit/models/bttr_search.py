@@ -161,49 +161,78 @@ def joint_search(model, image: torch.Tensor, image_mask: torch.Tensor | None = N
         return {"tokens": [t for _, t, _ in out], "scores": [s for s, _, _ in out]}
     if not any(cands):
         return {"tokens": [[] for _ in range(b)], "scores": [NEG] * b}
-    opp = None
-    if dirs == 2:  # a hypothesis both directions finished already has both scores
-        known = [{} for _ in range(b)]
+    if dirs == 1:  # one direction: nothing to rescore with, only the length normalisation applies
+        best = [max(((sc / (max(len(t), 1) ** alpha), t) for sc, t, _ in c), key=lambda x: x[0], default=(NEG, []))
+                for c in cands]
+    else:
+        unfinished = {(r // 2, toks[:: 1 - 2 * (r % 2)], r % 2) for r, toks in incomplete}  # left-to-right
+        best = choose_best(model, memory, mmask, cands, alpha, unfinished)
+    return {"tokens": [t for _, t in best], "scores": [sc for sc, _ in best]}
+
+
+def choose_best(model, memory: torch.Tensor, memory_mask: torch.Tensor,
+                cands: list[list[tuple[float, list[int], int]]], alpha: float, incomplete: set = frozenset(),
+                reuse: bool = True, prune: bool = True) -> list[tuple[float, list[int]]]:
+    """Per image, the candidate (own score, tokens left-to-right, direction) with the best
+    (own score + the other direction's teacher-forced score) / len**alpha, the first of equals;
+    -> (that total, its tokens).
+
+    Two shortcuts give the same choice and total (``reuse`` / ``prune`` turn them off):
+
+    * a hypothesis both directions finished (``incomplete``: (image, tokens, direction) of those
+      a search kept unfinished) already has its other score, summed step by step by that
+      direction's own search: it is not scored again;
+    * a log-probability is at most 0, so own score / len**alpha bounds a candidate's total:
+      candidates whose bound is below a total already known cannot be chosen and are not
+      scored. The most promising unknown candidate of each image is scored first."""
+    tot: list[list[float | None]] = [[None] * len(c) for c in cands]
+    bound = [[sc / (max(len(t), 1) ** alpha) for sc, t, _ in c] for c in cands]
+    if reuse:
         for i, c in enumerate(cands):
-            for s, l2r, d in c:
-                if (dirs * i + d, tuple(l2r if d == 0 else l2r[::-1])) not in incomplete:
-                    known[i][(tuple(l2r), d)] = s
-        opp = rescore_opposite(model, memory, mmask, cands, known)
-    best: list[tuple[float, list[int]]] = [(NEG, []) for _ in range(b)]
-    j = 0
+            own = {(tuple(t), d): sc for sc, t, d in c if (i, tuple(t), d) not in incomplete}
+            for j, (sc, t, d) in enumerate(c):
+                other = own.get((tuple(t), 1 - d))
+                if other is not None and (i, tuple(t), d) not in incomplete:
+                    tot[i][j] = (sc + other) / (max(len(t), 1) ** alpha)
+
+    def best_known(i: int) -> float:
+        return max((x for x in tot[i] if x is not None), default=NEG)
+
+    def score(todo: list[tuple[int, int]]) -> None:
+        if not todo:
+            return
+        opp = rescore_opposite(model, memory, memory_mask, [(i, cands[i][j][1], cands[i][j][2]) for i, j in todo])
+        for (i, j), o in zip(todo, opp):
+            tot[i][j] = (cands[i][j][0] + o) / (max(len(cands[i][j][1]), 1) ** alpha)
+
+    def open_(i: int) -> list[int]:
+        floor = best_known(i) if prune else NEG
+        return [j for j in range(len(cands[i])) if tot[i][j] is None and (not prune or bound[i][j] >= floor)]
+
+    if prune:  # first the best bound of each image, then whatever can still beat what is known
+        score([(i, max(js, key=lambda j: bound[i][j])) for i in range(len(cands)) if (js := open_(i))])
+    score([(i, j) for i in range(len(cands)) for j in open_(i)])
+    out = []
     for i, c in enumerate(cands):
-        for s, l2r, _ in c:
-            # one direction: nothing to rescore with, only the length normalisation applies
-            total = (s + (float(opp[j]) if opp is not None else 0.0)) / (max(len(l2r), 1) ** alpha)
-            j += 1
-            if total > best[i][0]:
-                best[i] = (total, l2r)
-    return {"tokens": [t for _, t in best], "scores": [s for s, _ in best]}
+        best = (NEG, [])
+        for j, (_, t, _) in enumerate(c):
+            if tot[i][j] is not None and tot[i][j] > best[0]:
+                best = (tot[i][j], t)
+        out.append(best)
+    return out
 
 
 def rescore_opposite(model, memory: torch.Tensor, memory_mask: torch.Tensor,
-                     cands: list[list[tuple[float, list[int], int]]], known: list[dict] | None = None,
-                     positions_per_pass: int = 8192) -> list[float]:
-    """log p(hypothesis) under the direction that did not find it, teacher forced with both
-    end tokens, for every candidate of every image (image by image, in order).
-
-    ``known[i]``: (tokens left-to-right, direction) -> the score that direction's own search
-    gave the hypothesis when it finished it too (the same log-probability, summed step by
-    step): used instead of scoring it again. The rest run sorted by length in passes of about
-    ``positions_per_pass`` tokens, so that short hypotheses are not padded to the longest."""
+                     items: list[tuple[int, list[int], int]], positions_per_pass: int = 8192) -> list[float]:
+    """log p(hypothesis) under the direction that did not find it, teacher forced with both end
+    tokens, for ``items`` (image, tokens left-to-right, the direction that found them). They run
+    sorted by length in passes of about ``positions_per_pass`` tokens (short hypotheses are not
+    padded to the longest), against the memory shared by the rows of each image."""
     dev = memory.device
-    out = [0.0] * sum(len(c) for c in cands)
-    todo: list[tuple[int, int, list[int]]] = []  # (candidate number, image, full sequence)
-    j = 0
-    for i, c in enumerate(cands):
-        for _, l2r, d in c:
-            hit = None if known is None else known[i].get((tuple(l2r), 1 - d))
-            if hit is not None:
-                out[j] = hit
-            else:  # scored by direction 1 - d: left-to-right reads <sos> y, right-to-left <eos> y reversed
-                todo.append((j, i, [SOS, *l2r, EOS] if d == 1 else [EOS, *l2r[::-1], SOS]))
-            j += 1
-    todo.sort(key=lambda x: len(x[2]))
+    out = [0.0] * len(items)
+    # scored by direction 1 - d: left-to-right reads <sos> y <eos>, right-to-left <eos> reversed y <sos>
+    todo = sorted(((j, i, [SOS, *t, EOS] if d == 1 else [EOS, *t[::-1], SOS]) for j, (i, t, d) in enumerate(items)),
+                  key=lambda x: len(x[2]))
     a = 0
     while a < len(todo):
         z = a + 1  # the longest pass whose padded size stays within the budget (at least one row)

@@ -77,7 +77,7 @@ class SelfCritical:
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.generator = generator
         # running sums since the last read (:meth:`take_stats`)
-        self._sum = {"reward": 0.0, "baseline": 0.0, "words": 0.0}
+        self._sum = {"reward": 0.0, "baseline": 0.0, "length": 0.0}
         self._n = 0
 
     @classmethod
@@ -123,7 +123,7 @@ class SelfCritical:
                                     dtype=torch.float32)[:, None].expand(B, K)
         self._sum["reward"] += float(rewards.mean()) * B
         self._sum["baseline"] += float(baseline.mean()) * B
-        self._sum["words"] += sum(len(t) for t in drawn["tokens"]) / K
+        self._sum["length"] += sum(len(t) for t in drawn["tokens"]) / K
         self._n += B
         return (rewards - baseline).reshape(-1)
 
@@ -245,14 +245,14 @@ class SelfCritical:
         return out
 
     def take_stats(self) -> dict[str, float]:
-        """Mean reward of the drawn captions since the last call, their mean length in tokens
-        (``words``), and the greedy baseline's mean reward when it is the baseline; empty if none."""
+        """Mean reward of the drawn captions since the last call, their mean ``length`` (BPE
+        tokens) and the greedy baseline's mean reward when it is the baseline; empty if none."""
         if not self._n:
             return {}
         stats = {k: v / self._n for k, v in self._sum.items()}
         if self.cfg.baseline == "mean":  # the mean of the others averages to the mean reward itself
             del stats["baseline"]
-        self._sum = {"reward": 0.0, "baseline": 0.0, "words": 0.0}
+        self._sum = {"reward": 0.0, "baseline": 0.0, "length": 0.0}
         self._n = 0
         return stats
 

@@ -220,3 +220,41 @@ def test_bucketed_rows_give_the_plain_product():
         got = rows.linear(lin, x)
         want = lin(x)
     assert got.shape == (3, 7, 5) and torch.equal(got, want)
+
+
+def test_evaluation_loss_without_gradients_equals_the_training_computation():
+    from tellkit.models.bttr import BTTR, BTTRConfig
+
+    torch.manual_seed(0)
+    m = BTTR(BTTRConfig(**TINY)).eval()
+    b = batch_of(_images(4), [[5, 6, 7], [9], [11, 12, 13, 14], [8, 8]])
+    want = m(b)  # gradients on: the training path
+    with torch.no_grad():
+        got = m(b)
+    torch.testing.assert_close(got["loss"], want["loss"].detach(), atol=1e-5, rtol=1e-5)
+    assert int(got["ntokens"]) == int(want["ntokens"])
+
+
+def test_the_last_batch_is_encoded_once_until_something_changes(monkeypatch):
+    m = tiny_model()
+    b = batch_of(_images(4))
+    calls = []
+    real = m.encode
+    monkeypatch.setattr(m, "encode", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        first = m.encode_by_size(b["image"], b["image_mask"])
+        n = len(calls)
+        again = m.encode_by_size(b["image"], b["image_mask"])  # the loss, then the search
+        assert len(calls) == n and again[0] is first[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # another precision: encoded again
+            m.encode_by_size(b["image"], b["image_mask"])
+        assert len(calls) == 2 * n
+        b["image"].mul_(0.5)  # the same tensor changed in place
+        changed = m.encode_by_size(b["image"], b["image_mask"])
+        assert len(calls) == 3 * n and not torch.equal(changed[0], first[0])
+        m.encoder.proj.bias.add_(1.0)  # a parameter changed in place
+        m.encode_by_size(b["image"], b["image_mask"])
+        assert len(calls) == 4 * n
+    m.encode_by_size(b["image"], b["image_mask"])  # with gradients: never kept
+    m.encode_by_size(b["image"], b["image_mask"])
+    assert len(calls) == 6 * n

@@ -152,7 +152,7 @@ def one_line_error(res, *needles):
 
 @pytest.mark.parametrize("data, needle", [(LOG.encode("utf-16"), "not UTF-8 text"),
                                           (b"step,epoch,split,metric,value\n398,1,val,\xe9xprate,4.5\n",
-                                           "not UTF-8 text (byte 40)")])
+                                           "not UTF-8 text (byte 0xe9 at offset 40)")])
 def test_a_log_that_is_not_utf8_text_is_one_line(tmp_path, data, needle):
     (tmp_path / "eval_log.csv").write_bytes(data)
     one_line_error(tellkit("curve", tmp_path), needle)
@@ -170,3 +170,10 @@ def test_png_onto_a_folder_or_under_a_file_is_one_line_and_leaves_nothing(run_di
     res = tellkit("curve", run_dir, "--png", run_dir / "plots" / "curve.png")  # the next call works
     assert res.returncode == 0, res.stderr[-1500:]
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["curve.png"]
+
+
+def test_a_log_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "eval_log.csv")
+    one_line_error(tellkit("curve", tmp_path), "not a regular file")

@@ -6,12 +6,16 @@ plot, with a line on stderr saying which."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
 from pathlib import Path
 
 from tellkit.errors import TellkitError
+from tellkit.utils.files import read_text
+
+MAX_LOG_BYTES = 256 << 20  # a validation log of years of training is a few MB
 
 NAME = "curve"
 HELP = "validation metrics of a training run against epochs (JSON, Markdown table, PNG plot)"
@@ -33,11 +37,12 @@ def add_arguments(p) -> None:
 def read_eval_log(run) -> list[dict]:
     """Rows of ``RUN/eval_log.csv`` as dicts with int step/epoch and float value."""
     path = Path(run) / "eval_log.csv"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         raise TellkitError(f"{run}: no eval_log.csv (not a `tellkit train` run folder, or not validated yet)")
     rows = []
+    text = read_text(path, "eval_log.csv", MAX_LOG_BYTES)  # a regular file, UTF-8, of a bounded size
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with io.StringIO(text, newline="") as f:
             reader = csv.DictReader(f)
             need = {"step", "epoch", "metric", "value"}
             if not need <= set(reader.fieldnames or []):
@@ -48,13 +53,6 @@ def read_eval_log(run) -> list[dict]:
                                  "value": float(r["value"])})
                 except (TypeError, ValueError):
                     raise TellkitError(f"{path}, line {i}: not a number in {r}") from None
-    except UnicodeDecodeError:
-        try:  # the decoder's position is within its chunk: find the byte in the whole file
-            path.read_bytes().decode("utf-8")
-            at = ""
-        except UnicodeDecodeError as exc:
-            at = f" (byte {exc.start})"
-        raise TellkitError(f"{path}: not UTF-8 text{at}; expected the CSV log `tellkit train` writes") from None
     except csv.Error as exc:
         raise TellkitError(f"{path}: not a readable CSV log ({exc})") from None
     return rows

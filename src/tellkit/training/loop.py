@@ -56,6 +56,7 @@ from tellkit.training.checkpointing import CheckpointManager, SavedState, apply_
 from tellkit.training.evaluation import autocast, make_loader, plain_batches, run_eval, to_device
 from tellkit.training.task import Task
 from tellkit.utils import precision
+from tellkit.utils.files import check_regular_file
 
 TRAIN_COLUMNS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"]
 EVAL_COLUMNS = ["step", "epoch", "split", "metric", "value"]
@@ -198,6 +199,7 @@ def logged_train_seconds(train_log: Path) -> float:
     previous process's last value. 0.0 for a missing or column-less log."""
     total = last = 0.0
     try:
+        check_regular_file(train_log, "train_log.csv")  # never opens a FIFO or a device
         with open(train_log, newline="", encoding="utf-8") as f:
             for row in csv.DictReader(f):
                 try:
@@ -207,7 +209,7 @@ def logged_train_seconds(train_log: Path) -> float:
                 if value < last:
                     total += last
                 last = value
-    except (OSError, csv.Error):
+    except (OSError, csv.Error, UnicodeDecodeError, TellkitError):
         return 0.0
     return total + last
 
@@ -217,7 +219,8 @@ class _CsvLog:
 
     def __init__(self, path: Path, columns: list[str], keep_until_step: int | None):
         self.path, self.columns = path, columns
-        if keep_until_step is not None and path.is_file():
+        if keep_until_step is not None and path.exists():
+            check_regular_file(path, path.name)  # a FIFO or device in its place would hang or never end
             with open(path, newline="", encoding="utf-8") as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= keep_until_step]
             self._rewrite(rows)

@@ -37,3 +37,24 @@ def test_rendered_shape_is_the_shape_of_the_render(shared_data):
                 RenderConfig(stroke_size=64, max_pixels=60_000), RenderConfig(stroke_size=40, max_side=300)):
         for e in exprs:
             assert rendered_shape(e.strokes, cfg) == tuple(image_to_tensor(render_strokes(e.strokes, cfg)).shape[-2:])
+
+
+def test_extra_training_folders_join_the_training_split_only(tmp_path):
+    from tellkit.config import deep_merge, load_yaml, resolve_config_path
+    from tellkit.errors import TellkitError
+    from tellkit.tasks import make_task
+
+    for folder, n in (("root/train/a", 5), ("root/test/2014", 3), ("more/writers", 4)):
+        (tmp_path / folder).mkdir(parents=True)
+        for i in range(n):
+            (tmp_path / folder / f"e{i}.inkml").write_text(inkml([[(0, 0), (10 + i, 5)], [(3, 0), (3, 7)]], "x"))
+    recipe = deep_merge(load_yaml(resolve_config_path("bttr/tiny")),
+                        {"data": {"root": str(tmp_path / "root"), "limit": {}, "cache": None,
+                                  "extra_train": [str(tmp_path / "more" / "writers")]}})
+    task = make_task(recipe)
+    assert len(task.build_dataset("train")) == 9 and len(task.build_dataset("val")) == 3
+    relative = make_task(deep_merge(recipe, {"data": {"extra_train": ["../more/writers"]}}))
+    assert len(relative.build_dataset("train")) == 9
+    for bad in ("more/writers", [""], [3]):
+        with pytest.raises(TellkitError, match="data.extra_train"):
+            make_task(deep_merge(recipe, {"data": {"extra_train": bad}}))

@@ -42,6 +42,9 @@ class RecognitionDataConfig:
     max_len: int = 200
     max_batch_pixels: int = 320_000
     limit: dict[str, int] = field(default_factory=dict)
+    # more InkML folders (absolute, or under root) whose expressions join the training split, e.g.
+    # other writers' expressions; the BTTR papers train on the official training set alone
+    extra_train: list[str] = field(default_factory=list)
     # random distortion of training items; empty = none (the reference's way): image space
     # (tellkit.data.crohme.ImageAugment: rotate, shear, scale) and, for InkML, stroke space
     # (tellkit.data.ink_augment.InkAugment: render_scale, ink_rotate, ..., substitute)
@@ -54,6 +57,10 @@ class RecognitionDataConfig:
             if not isinstance(getattr(self, name) or {}, Mapping):
                 raise TellkitError(f"data.{name} must be a mapping, got {getattr(self, name)!r}")
         self.limit = check_limits(self.limit)
+        if isinstance(self.extra_train, str) or not all(isinstance(x, str) and x for x in self.extra_train or []):
+            raise TellkitError(f"data.extra_train must be a list of folders, got {self.extra_train!r}")
+        if self.extra_train and self.layout != "inkml":
+            raise TellkitError("data.extra_train: extra training folders are read as InkML (data.layout: inkml)")
 
 
 def parse_augment(mapping: Mapping[str, Any] | None, where: str = "data.augment"):

@@ -23,6 +23,7 @@ unknown key is an error)::
       max_len: 200                  # training labels above this are dropped (reference)
       max_batch_pixels: 320000      # cap on padded pixels per batch (batch_size from train:)
       limit: {train: N, val: N, test: N}   # optional seeded subsets (omitted or null = all)
+      extra_train: [DIR, ...]       # more InkML folders joining the training split (absolute or under root)
     eval: {beam_size: 10, max_len: 200, alpha: 1.0, bidirectional: true, rescore: true,
            batch_size: 16}                 # images per search batch (val/test; no pixel cap)
 
@@ -42,6 +43,7 @@ import random
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tellkit.data.crohme import CrohmeDataset, collate, load_image, load_split, render_square, size_batches
@@ -209,6 +211,11 @@ class RecognitionTask(Task):
         root = resolve_data_root(d.root)
         skipped: dict[str, int] = {}
         exprs = load_split(root, str(name), d.layout, skipped)
+        if split == "train":
+            for folder in d.extra_train:
+                f = Path(folder).expanduser()
+                f = f if f.is_absolute() else Path(root) / f
+                exprs += load_split(f.parent, f.name, "inkml", skipped)
         if skipped:
             self.skipped[split] = skipped
             if int(os.environ.get("RANK", "0")) == 0:

@@ -78,18 +78,24 @@ def test_reindexing_shared_rows_drops_inputs_nobody_reads():
     assert torch.equal(out[0].kv.k[1], kv.k[2]) and torch.equal(out[0].kv.k[0], kv.k[0])
 
 
-def test_growing_cache_appends_in_place_and_reorders_by_copy():
+def test_growing_cache_appends_in_place_and_reorders_into_the_spare_buffers():
     a = torch.randn(3, 2, 1, 4)
     cache = KVCache.empty(a, capacity=2)
     steps = [torch.randn(3, 2, 1, 4) for _ in range(5)]  # past the capacity: it grows
     for s in steps:
         k, v = cache.append(s, -s)
-    assert torch.equal(k, torch.cat(steps, 2)) and torch.equal(v, -torch.cat(steps, 2))
-    idx = torch.tensor([2, 0])
-    moved = cache.index_select(idx)
-    assert torch.equal(moved.k, torch.cat(steps, 2)[idx]) and torch.equal(cache.k, torch.cat(steps, 2))
-    moved.append(steps[0][:2], steps[0][:2])
-    assert moved.length == 6 and cache.length == 5
+    full = torch.cat(steps, 2)
+    assert torch.equal(k, full) and torch.equal(v, -full)
+    moved = cache.index_select(torch.tensor([2, 0, 0, 1]))  # more rows than before
+    assert torch.equal(moved.k, full[[2, 0, 0, 1]]) and torch.equal(moved.v, -full[[2, 0, 0, 1]])
+    with pytest.raises(RuntimeError):
+        cache.append(steps[0], steps[0])  # retired: its buffers belong to the new cache
+    again = moved.index_select(torch.tensor([3, 0]))  # fewer rows: into the first cache's buffers
+    assert torch.equal(again.k, full[[1, 2]])
+    k, _ = again.append(steps[0][:2], steps[0][:2])
+    assert again.length == 6 and torch.equal(k[:, :, :5], full[[1, 2]]) and torch.equal(k[:, :, 5:], steps[0][:2])
+    third = again.index_select(torch.tensor([1]))  # and back into the second cache's
+    assert torch.equal(third.k[:, :, :5], full[[2]])
 
 
 def test_encoding_by_size_equals_the_padded_batch_where_real():

@@ -7,7 +7,7 @@ Three pieces, used by Transform and Tell, BTTR and the LSTM / seq2seq baselines:
   log-probabilities of the next token for every row, ``reorder(index)`` makes row ``i`` continue
   from old row ``index[i]`` (beams re-ranked, rows of finished inputs dropped).
 * Per-row state lives in plain dicts (one per decoder layer) whose tensors have the decoder row
-  on axis 0: self-attention keys/values (``MultiheadAttention(cache=...)``), dynamic-convolution
+  on axis 0: self-attention keys/values (``MultiheadAttention(cache=...)``, a ``KVCache``), dynamic-convolution
   histories (``DynamicConv1d(state=...)``), LSTM ``h``/``c``. :func:`reorder_state` gives
   any nesting of them re-indexed.
 * Per-input context (projected image / article / memory keys and values) is the same for every
@@ -41,8 +41,10 @@ def reorder_state(state: Any, index: torch.Tensor) -> Any:
     """``state`` with the rows of every tensor in it replaced by ``state[index]`` (axis 0).
 
     ``state`` may be a tensor, an object with ``index_select(index)`` (``ProjectedKV``,
-    ``Contexts``), or dicts / lists / tuples of these, nested; other values (ints, None) are kept.
-    Returns new containers and leaves ``state`` untouched, so a caller's copy stays valid."""
+    ``Contexts``, ``KVCache``), or dicts / lists / tuples of these, nested; other values (ints,
+    None) are kept. Returns new containers and leaves the tensors of ``state`` untouched, so a
+    caller's copy stays valid; a ``KVCache`` is the exception: it hands its buffers on to the
+    re-indexed one (no allocation per step) and is retired."""
     if isinstance(state, torch.Tensor):
         return state.index_select(0, index.to(state.device))
     if isinstance(state, dict):

@@ -126,47 +126,61 @@ class SharedKV:
 class KVCache:
     """Incremental self-attention keys/values [N, H, t, hd] in buffers with room to grow:
     a step writes its new positions in place (no copy of the earlier ones), the capacity doubles
-    when full. ``index_select`` (beam re-ranking, rows dropped) copies the t positions once into
-    a new cache and leaves this one as it was."""
+    when full. ``index_select`` (beam re-ranking, rows dropped) copies the t positions once, into
+    the buffers of the cache re-indexed before (two pairs of buffers take turns, so a search
+    allocates nothing step after step); the cache it was called on is retired: its buffers now
+    belong to the new one, and reading it is an error."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int):
-        self._k, self._v, self.length = k, v, length
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, length: int, rows: int | None = None,
+                 spare: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self._k, self._v, self.length = k, v, length  # [>= rows, H, capacity, hd]
+        self.rows = k.shape[0] if rows is None else rows
+        self._spare = spare
 
     @classmethod
     def empty(cls, like: torch.Tensor, capacity: int = 32) -> KVCache:
         n, h, _, hd = like.shape
         return cls(like.new_empty(n, h, capacity, hd), like.new_empty(n, h, capacity, hd), 0)
 
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._k is None:
+            raise RuntimeError("this KVCache was re-indexed (index_select): use the cache that returned")
+        return self._k, self._v
+
     @property
     def k(self) -> torch.Tensor:
-        return self._k[:, :, : self.length]
+        return self._buffers()[0][: self.rows, :, : self.length]
 
     @property
     def v(self) -> torch.Tensor:
-        return self._v[:, :, : self.length]
+        return self._buffers()[1][: self.rows, :, : self.length]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add positions ``k``/``v`` [N, H, T, hd]; -> all keys/values so far."""
+        bk, bv = self._buffers()
         end = self.length + k.shape[2]
-        if end > self._k.shape[2] or k.dtype != self._k.dtype:
-            cap = max(end, 2 * self._k.shape[2])
+        if end > bk.shape[2] or k.dtype != bk.dtype:
+            cap = max(end, 2 * bk.shape[2])
             nk, nv = k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
             nk[:, :, : self.length] = self.k
             nv[:, :, : self.length] = self.v
-            self._k, self._v = nk, nv
-        self._k[:, :, self.length : end] = k
-        self._v[:, :, self.length : end] = v
+            self._k, self._v, self._spare = nk, nv, None
+        self._k[: self.rows, :, self.length : end] = k
+        self._v[: self.rows, :, self.length : end] = v
         self.length = end
         return self.k, self.v
 
     def index_select(self, index: torch.Tensor) -> KVCache:
-        cap = self._k.shape[2]
-        out = []
-        for buf in (self._k, self._v):
-            new = buf.new_empty(index.numel(), buf.shape[1], cap, buf.shape[3])
-            torch.index_select(buf[:, :, : self.length], 0, index, out=new[:, :, : self.length])  # one pass
-            out.append(new)
-        return KVCache(out[0], out[1], self.length)
+        bk, bv = self._buffers()
+        n, (_, h, cap, hd) = index.numel(), bk.shape
+        sk, sv = self._spare if self._spare is not None else (None, None)
+        if sk is None or sk.shape[0] < n:
+            sk, sv = bk.new_empty(n, h, cap, hd), bv.new_empty(n, h, cap, hd)
+        for src, dst in ((self.k, sk), (self.v, sv)):
+            torch.index_select(src, 0, index, out=dst[:n, :, : self.length])  # one pass
+        out = KVCache(sk, sv, self.length, rows=n, spare=(bk, bv))
+        self._k = self._v = self._spare = None  # retired: its buffers are the new cache's spare
+        return out
 
 
 class MultiheadAttention(nn.Module):

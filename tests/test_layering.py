@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("layers", "decoding", "metrics", "encoders"),
     ("data",),
     ("models",),
-    ("convert", "training"),
+    ("convert", "training", "runtime"),
     ("tasks",),
     ("pipelines", "workflows", "sprint", ""),
     ("server",),

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tellkit import runtime as runtimes
 from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
 from tellkit.errors import TellkitError
 from tellkit.recipes import GenerationSettings, eval_batch_size, packaged_default
@@ -129,11 +130,13 @@ class Pipeline:
 
     @classmethod
     def load(cls, model: str | Path | None = None, device: str | torch.device | None = None,
-             dtype: str | None = None, **options: Any) -> Pipeline:
+             dtype: str | None = None, runtime: str | None = None, **options: Any) -> Pipeline:
         """A checkpoint folder (or a run folder of ``tellkit train``: its best checkpoint); None:
         the packaged default. ``device``: cpu (default), cuda, cuda:N. ``dtype``: 'bf16' runs the
         search in bfloat16 autocast where the device computes it natively (else float32 and a
-        note in ``info``); 'fp32' or None: float32. ``options``: generation settings
+        note in ``info``); 'fp32' or None: float32. ``runtime``: 'torch' (None) or 'onnx' (the
+        model's ONNX graphs under ONNX Runtime, same processor and search: :mod:`tellkit.runtime`;
+        a checkpoint that is not an ONNX export is exported once into the user cache). ``options``: generation settings
         overriding the stored ones (``beam_size=3``; None keeps a stored value) and the task's
         input options (:attr:`processor_options`)."""
         proc_opts = {k: options.pop(k) for k in list(options) if k in cls.processor_options}
@@ -147,13 +150,16 @@ class Pipeline:
             raise TellkitError(f"{path}: holds a '{meta.get('family')}' model, not one for '{cls.task}' "
                                f"({', '.join(cls.families)})")
         dev = resolve_device(device)
+        runtimes.check_runtime(runtime, device=dev, dtype=dtype)
         granted = resolve_precision(dev, dtype)
         generation = cls.processor_class.generation(meta, **options)
         processor = cls.build_processor(meta, path, dev, **proc_opts)
         net = load_model(path, map_location=dev).float()
         processor.check(net, generation)
-        return cls(net, processor, generation, info=checkpoint_info(meta["family"], path, meta), device=dev,
+        pipe = cls(net, processor, generation, info=checkpoint_info(meta["family"], path, meta), device=dev,
                    precision=granted, batch_size=cls.stored_batch_size(processor, meta))
+        runtimes.attach(pipe, runtime, path, meta)
+        return pipe
 
     @classmethod
     def build_processor(cls, meta: Mapping[str, Any], path: Path, device: torch.device, **options: Any) -> Processor:

@@ -1,0 +1,108 @@
+"""Where a model's forward computation runs: PyTorch (``torch``, the default) or ONNX Runtime
+(``onnx``, the ``onnx`` extra), behind one switch of the pipelines (``runtime=`` of
+:meth:`tellkit.pipelines.base.Pipeline.load` and ``tellkit.pipeline``), of evaluation
+(:func:`tellkit.workflows.evaluate_checkpoint`) and of ``tellkit recognize / caption /
+evaluate --runtime``.
+
+- :mod:`tellkit.runtime.graphs`: the model pieces that are exported (encoders, one decoder step
+  with its state as inputs and outputs, BTTR's rescoring pass).
+- :mod:`tellkit.runtime.export`: ``tellkit export --format onnx`` (a checkpoint folder plus its
+  graphs) and the export of any checkpoint made once into the user cache.
+- :mod:`tellkit.runtime.ort`: the graphs behind the interfaces the project's searches drive,
+  so the searches (beam search, BTTR's joint search and rescoring, length normalisation) are the
+  same code on both runtimes.
+
+With ``onnx`` the task's processor still prepares the inputs and decodes the outputs (the one
+path from input to answer); the captioner's frozen image encoder runs as a graph too. The ONNX
+runtime computes in float32 on the CPU: ``dtype='bf16'`` and CUDA devices are refused.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from tellkit.errors import TellkitError
+from tellkit.runtime.export import exported
+from tellkit.runtime.ort import OnnxImageEncoder, open_model
+
+RUNTIMES = ("torch", "onnx")
+
+
+def check_runtime(runtime: str | None, *, device: Any = None, dtype: str | None = None) -> str:
+    """``runtime`` (None: torch) checked against the device and dtype it would run with."""
+    name = "torch" if runtime is None else str(runtime)
+    if name not in RUNTIMES:
+        raise TellkitError(f"runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
+    if name == "onnx":
+        if device is not None and torch.device(device).type != "cpu":
+            raise TellkitError(f"runtime onnx runs on the CPU, not on {device}")
+        if dtype is not None and str(dtype).lower() not in ("fp32", "float32"):
+            raise TellkitError(f"runtime onnx computes in float32; dtype {dtype} is for the torch runtime")
+    return name
+
+
+def onnx_model(path: str | os.PathLike, meta: dict[str, Any], threads: int | None = None):
+    """The ONNX runtime model of the checkpoint at ``path`` (exported first when it is not an
+    ONNX folder: :func:`tellkit.runtime.export.exported`)."""
+    return open_model(exported(path, meta), threads=threads)
+
+
+def bind(model, processor) -> None:
+    """Let ``processor`` compute through ``model``'s graphs where it runs a network itself (a
+    captioning processor's frozen image encoder)."""
+    bundle = getattr(processor, "bundle", None)
+    if bundle is not None and "image" in bundle.contexts and "image_encoder" in model.sessions:
+        current = bundle.image_encoder
+        if not isinstance(current, OnnxImageEncoder):
+            bundle.image_encoder = OnnxImageEncoder(current, model)
+
+
+class ProcessorRuntime:
+    """A pipeline's :attr:`~tellkit.pipelines.base.Pipeline.runtime`: the processor's
+    ``generate`` with the ONNX model in place of the PyTorch one."""
+
+    def __init__(self, processor, model):
+        self.processor, self.model = processor, model
+
+    def __call__(self, batch, generation, **extra):
+        return self.processor.generate(self.model, batch, generation, None, **extra)
+
+
+def attach(pipe, runtime: str | None, path: str | os.PathLike, meta: dict[str, Any],
+           threads: int | None = None) -> None:
+    """Run ``pipe``'s model through ``runtime`` ('torch': nothing changes)."""
+    if check_runtime(runtime, device=pipe.device, dtype=pipe.precision.name) == "torch":
+        return
+    model = onnx_model(path, meta, threads)
+    bind(model, pipe.processor)
+    pipe.runtime = ProcessorRuntime(pipe.processor, model)
+    pipe.info.update(runtime="onnx", onnx=str(model.folder))
+
+
+class WithRuntime:
+    """A PyTorch model whose ``generate`` runs on another runtime (evaluation: the loss is still
+    the PyTorch model's); every other attribute is the model's."""
+
+    def __init__(self, model, runtime_model):
+        self.__dict__.update(_model=model, _runtime=runtime_model)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_model"], name)
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self._runtime.generate(*args, **kwargs)
+
+
+def for_evaluation(model, task, runtime: str | None, path: str | os.PathLike, meta: dict[str, Any],
+                   device: Any = None, dtype: str | None = None):
+    """``model`` (PyTorch) as :func:`tellkit.workflows.evaluate_checkpoint` runs it with ``runtime``."""
+    if check_runtime(runtime, device=device, dtype=dtype) == "torch":
+        return model
+    onnx = onnx_model(path, meta)
+    bind(onnx, task.processor)
+    return WithRuntime(model, onnx)

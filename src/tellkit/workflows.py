@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tellkit import runtime as runtimes
 from tellkit.checkpoint import atomic_write_json, load_model, read_checkpoint_config, resolve_checkpoint
 from tellkit.config import check_recipe_sections, deep_merge, load_yaml, parse_overrides, resolve_config_path
 from tellkit.errors import TellkitError
@@ -79,7 +80,8 @@ class EvalResult:
     def report(self) -> dict[str, Any]:
         """The JSON summary ``tellkit evaluate`` prints."""
         return {"split": self.split, "n": len(self.predictions), "metrics": self.metrics,
-                "dtype": self.info.get("dtype", "float32"), "summary": str(self.summary_file),
+                "dtype": self.info.get("dtype", "float32"), "runtime": self.info.get("runtime", "torch"),
+                "summary": str(self.summary_file),
                 "predictions": str(self.predictions_file)}
 
 
@@ -97,16 +99,20 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
                         out: str | os.PathLike | None = None,
                         batch_size: int | None = None, device: str | None = None, progress: bool = True,
                         recipe: Mapping[str, Any] | None = None, task: Task | None = None,
-                        dtype: str | None = None) -> EvalResult:
+                        dtype: str | None = None, runtime: str | None = None) -> EvalResult:
     """Generate for ``split`` with a checkpoint (or a run folder: its best checkpoint), score it
     and write ``metrics_<split>.json`` / ``predictions_<split>.jsonl`` into ``out`` (default:
     :func:`default_eval_dir`). ``data`` replaces ``data.root``; ``overrides``: ``key=value``
     strings or a nested mapping. ``recipe`` / ``task``: the ones the checkpoint was trained with,
     when the caller holds them already (``tellkit table``); default: the stored recipe's.
     ``dtype``: "bf16" generates in bfloat16 autocast where the device computes it natively (else
-    float32, and ``info`` says why), as the inference pipelines do; "fp32" or None: float32."""
+    float32, and ``info`` says why), as the inference pipelines do; "fp32" or None: float32.
+    ``runtime``: "onnx" generates with the model's ONNX graphs under ONNX Runtime
+    (:mod:`tellkit.runtime`; the loss is still PyTorch's); None or "torch": PyTorch."""
     if split not in SPLITS:
         raise TellkitError(f"--split must be train, val or test, got {split!r}")
+    if runtimes.check_runtime(runtime, device=device, dtype=dtype) == "onnx" and device is None:
+        device = "cpu"  # ONNX Runtime runs on the CPU (the evaluator's default is CUDA when there is one)
     ckpt = resolve_checkpoint(checkpoint)
     recipe = checkpoint_recipe(ckpt) if recipe is None else dict(recipe)
     if data:
@@ -129,11 +135,15 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
         dataset = task.build_dataset(split)
         if dataset is None or len(dataset) == 0:
             raise TellkitError(f"split '{split}' is empty")
-        metrics, preds = run_eval(task, model, dataset, split, info, batch_size=eval_batch_size(recipe, batch_size),
+        generating = runtimes.for_evaluation(model, task, runtime, ckpt, read_checkpoint_config(ckpt),
+                                             device=info.device, dtype=dtype)
+        metrics, preds = run_eval(task, generating, dataset, split, info,
+                                  batch_size=eval_batch_size(recipe, batch_size),
                                   num_workers=int(section(recipe, "train").get("num_workers") or 0),
                                   progress=progress)
         result = EvalResult(ckpt, split, metrics, preds, model.num_parameters(trainable_only=True),
                             info={"checkpoint": str(ckpt), "task": recipe["task"], "dtype": task.precision.name,
+                                  **({"runtime": runtime} if runtime not in (None, "torch") else {}),
                                   **({"dtype_note": task.precision.note} if task.precision.note else {}),
                                   **getattr(task, "eval_info", {})})
         if info.is_main:

@@ -100,6 +100,13 @@ def add_dtype_argument(p) -> None:
                         "elsewhere, with a note); default fp32")
 
 
+def add_runtime_argument(p) -> None:
+    p.add_argument("--runtime", choices=("torch", "onnx"), default=None,
+                   help="onnx: run the model's ONNX graphs with ONNX Runtime (CPU, float32; same processor and "
+                        "search; a checkpoint that is not a `tellkit export --format onnx` folder is exported once "
+                        "into ~/.cache/tellkit/onnx; needs the onnx extra); default torch")
+
+
 def note_dtype(command: str, info: dict) -> None:
     """The reason a requested dtype was not granted, on stderr."""
     if info.get("dtype_note"):

@@ -23,7 +23,7 @@ import argparse
 import json
 import sys
 
-from tellkit.cli import IMAGE_SUFFIXES, add_model_arguments, expand_inputs, note_dtype
+from tellkit.cli import IMAGE_SUFFIXES, add_model_arguments, add_runtime_argument, expand_inputs, note_dtype
 from tellkit.errors import TellkitError
 
 NAME = "caption"
@@ -37,6 +37,7 @@ def add_arguments(p) -> None:
     p.add_argument("--image", action="append", default=[], help=argparse.SUPPRESS)
     p.add_argument("--article", help="a UTF-8 text file with the article (title and paragraphs); one image only")
     add_model_arguments(p, "the packaged default captioner")
+    add_runtime_argument(p)
     p.add_argument("--json", action="store_true",
                    help="one JSON object per image: caption (text), score, faces, per-token attention")
     p.add_argument("--beam-size", type=int, default=None,
@@ -69,8 +70,8 @@ def run(args) -> int:
 
     from tellkit.pipelines.captioning import CaptioningPipeline  # heavy
 
-    pipe = CaptioningPipeline.load(args.model, device=args.device, dtype=args.dtype, beam_size=args.beam_size,
-                                   max_len=args.max_len)
+    pipe = CaptioningPipeline.load(args.model, device=args.device, dtype=args.dtype, runtime=args.runtime,
+                                   beam_size=args.beam_size, max_len=args.max_len)
     note_dtype(NAME, pipe.info)
     for k, chunk in enumerate(chunks):
         if k:

@@ -7,7 +7,8 @@ overrides change anything else (e.g. ``eval.beam_size=4``). Writes ``metrics_<sp
 ``tellkit train`` run and ``./runs/eval/<checkpoint name>`` for any other (never into the
 checkpoint's folder, which may be inside the installed package). Generation runs the task's
 processor and search, as ``tellkit caption`` / ``recognize`` / ``summarize`` do; ``--dtype bf16``
-runs it in bfloat16 autocast where the device computes it natively. Works under ``torchrun`` too
+runs it in bfloat16 autocast where the device computes it natively, ``--runtime onnx`` with the
+model's ONNX graphs under ONNX Runtime (the loss stays PyTorch's). Works under ``torchrun`` too
 (predictions gathered, scored once).
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tellkit.cli import add_dtype_argument, positive_int
+from tellkit.cli import add_dtype_argument, add_runtime_argument, positive_int
 
 NAME = "evaluate"
 HELP = "generate for a data split with a checkpoint and score it (JSON summary + per-example JSONL)"
@@ -33,6 +34,7 @@ def add_arguments(p) -> None:
                    help="default: eval.batch_size or train.batch_size")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
     add_dtype_argument(p)
+    add_runtime_argument(p)
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -45,7 +47,7 @@ def run(args) -> int:
 
     result = evaluate_checkpoint(args.checkpoint, args.split, data=args.data, overrides=args.overrides, out=args.out,
                                  batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
-                                 dtype=args.dtype)
+                                 dtype=args.dtype, runtime=args.runtime)
     if result.info.get("dtype_note"):
         print(f"tellkit evaluate: note: {result.info['dtype_note']}", file=sys.stderr)
     if result.summary_file is not None:  # the main process of a torchrun group

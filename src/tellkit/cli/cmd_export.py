@@ -1,6 +1,10 @@
 """`tellkit export SRC --out DIR`: a training checkpoint (or run folder) as a compact inference
 checkpoint: weights (float16 unless --float32), config and recipe sections, no optimizer or
-trainer state. This is how packaged default models are made."""
+trainer state. This is how packaged default models are made.
+
+`tellkit export SRC --format onnx --out DIR`: the checkpoint with its model as ONNX graphs (the
+encoder, one decoder step with its state as inputs and outputs; BTTR and Show, Attend and Tell)
+for `--runtime onnx` (:mod:`tellkit.runtime.export`)."""
 from __future__ import annotations
 
 from tellkit.errors import TellkitError
@@ -12,6 +16,9 @@ HELP = "write a training checkpoint (or a run's best) as a compact inference che
 
 def add_arguments(p) -> None:
     p.add_argument("src", help="a checkpoint folder, or a run folder of tellkit train (its best checkpoint)")
+    p.add_argument("--format", choices=("checkpoint", "onnx"), default="checkpoint",
+                   help="checkpoint (default): a compact tellkit checkpoint; onnx: the checkpoint as it is, with "
+                        "its model as ONNX graphs for --runtime onnx (needs the onnx extra)")
     add_output_arguments(p)
 
 
@@ -49,6 +56,8 @@ def run(args) -> int:
     notes = notes_from(args.note)
     out = check_output_path(args.out, "--out", folder=True)  # a looping link, /proc, a file: before any work
     src = resolve_checkpoint(args.src)
+    if args.format == "onnx":
+        return export_onnx_folder(args, src, out, notes)
     kept = write_checkpoint_folder(
         out, lambda d: export_checkpoint(src, d, weights=args.weights, note=notes or None),
         replace=args.replace, sources=[src])
@@ -61,3 +70,20 @@ def report(out, made_from, weights: str, kept: list[str]) -> None:
     print(f"wrote {out} ({size / 1e6:.1f} MB, {weights} weights) from {made_from}")
     if kept:
         print(f"kept from the replaced folder: {', '.join(kept)} (they may describe the old model)")
+
+
+def export_onnx_folder(args, src, out, notes) -> int:
+    from tellkit.checkpoint import read_checkpoint_config  # heavy
+    from tellkit.runtime.export import check_exportable, export_onnx  # heavy
+    from tellkit.training.export import write_checkpoint_folder  # heavy
+
+    if args.weights != "float16" or notes:
+        raise TellkitError("--format onnx keeps the checkpoint's weights and notes as they are "
+                           "(--float32, --int8 and --note are for --format checkpoint)")
+    check_exportable(read_checkpoint_config(src), str(src))
+    kept = write_checkpoint_folder(out, lambda d: export_onnx(src, d), replace=args.replace, sources=[src])
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.suffix == ".onnx")
+    print(f"wrote {out} (ONNX graphs {size / 1e6:.1f} MB, and the checkpoint) from {src}")
+    if kept:
+        print(f"kept from the replaced folder: {', '.join(kept)} (they may describe the old model)")
+    return 0

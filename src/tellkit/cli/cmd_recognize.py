@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import json
 
-from tellkit.cli import IMAGE_SUFFIXES, add_model_arguments, expand_inputs, note_dtype, positive_float
+from tellkit.cli import (
+    IMAGE_SUFFIXES,
+    add_model_arguments,
+    add_runtime_argument,
+    expand_inputs,
+    note_dtype,
+    positive_float,
+)
 from tellkit.errors import TellkitError
 
 NAME = "recognize"
@@ -21,6 +28,7 @@ def add_arguments(p) -> None:
                    help="image files (PNG/JPEG/BMP; dark ink on a light background or the reverse), InkML files, "
                         "folders of them, or glob patterns")
     add_model_arguments(p, "the packaged model")
+    add_runtime_argument(p)
     p.add_argument("--json", action="store_true", help="one JSON object per input: input, text (LaTeX), tokens, score")
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam size per direction (default: the checkpoint's, 10)")
@@ -38,8 +46,8 @@ def run(args) -> int:
     if args.max_len is not None and args.max_len < 1:
         raise TellkitError("--max-len must be >= 1")
     paths = expand_inputs(args.images, (*IMAGE_SUFFIXES, ".inkml"), "images or InkML files")
-    pipe = RecognitionPipeline.load(args.model, device=args.device, dtype=args.dtype, stroke_size=args.stroke_size,
-                                    beam_size=args.beam_size, max_len=args.max_len)
+    pipe = RecognitionPipeline.load(args.model, device=args.device, dtype=args.dtype, runtime=args.runtime,
+                                    stroke_size=args.stroke_size, beam_size=args.beam_size, max_len=args.max_len)
     note_dtype(NAME, pipe.info)
     results = pipe(paths, batch_size=args.batch_size)
     for path, r in zip(paths, results):

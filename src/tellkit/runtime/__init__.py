@@ -26,6 +26,7 @@ import torch
 from tellkit.errors import TellkitError
 from tellkit.runtime.export import exported
 from tellkit.runtime.ort import OnnxImageEncoder, open_model
+from tellkit.utils.optional import require
 
 RUNTIMES = ("torch", "onnx")
 
@@ -36,6 +37,8 @@ def check_runtime(runtime: str | None, *, device: Any = None, dtype: str | None 
     if name not in RUNTIMES:
         raise TellkitError(f"runtime {runtime!r}: expected one of {', '.join(RUNTIMES)}")
     if name == "onnx":
+        for module in ("onnx", "onnxruntime"):  # before any work: a missing extra is named first
+            require(module, "onnx", "the ONNX runtime")
         if device is not None and torch.device(device).type != "cpu":
             raise TellkitError(f"runtime onnx runs on the CPU, not on {device}")
         if dtype is not None and str(dtype).lower() not in ("fp32", "float32"):

@@ -472,7 +472,7 @@ def test_train_then_recognize_cli(tmp_path, capsys):
     img = str(tmp_path / "data" / "train" / "S" / "e0.png")
     assert main(["recognize", img, "--model", str(run), "--json", "--beam-size", "2", "--max-len", "6"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["image"] == img and isinstance(res["latex"], str) and len(res["tokens"]) <= 6
+    assert res["input"] == img and isinstance(res["text"], str) and len(res["tokens"]) <= 6
     from tellkit.training.export import export_checkpoint
 
     export_checkpoint(run / "checkpoints" / "best", tmp_path / "small")

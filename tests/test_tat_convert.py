@@ -143,7 +143,7 @@ def test_the_checkpoint_resnet_and_its_running_statistics_become_the_image_encod
     import json
 
     from tellkit.checkpoint import read_checkpoint_config
-    from tellkit.encoders.bundle import EncoderBundle
+    from tellkit.tasks.captioning import CaptionProcessor
     from tellkit.encoders.resnet import BLOCKS, ResNet
 
     torch.manual_seed(0)
@@ -162,7 +162,7 @@ def test_the_checkpoint_resnet_and_its_running_statistics_become_the_image_encod
     assert meta["encoders"] == {"image": "resnet50", "image_weights": "image_encoder.safetensors"}
     moved = tmp_path / "moved"
     out.rename(moved)  # the weights file is found beside the model wherever the folder goes
-    enc = EncoderBundle.for_recipe(read_checkpoint_config(moved), ("image",)).image_encoder
+    enc = CaptionProcessor.recipe_bundle(read_checkpoint_config(moved), ("image",)).image_encoder
     got = enc.backbone.state_dict()
     assert set(got) == set(net.state_dict())
     for k, v in net.state_dict().items():

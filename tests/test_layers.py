@@ -218,6 +218,39 @@ def test_layer_mix_softmax_weighted_sum():
         mix(torch.randn(2, 4, 5, 4))
 
 
+def test_gehring_linear_keeps_the_16_bit_copy_of_its_fold_under_autocast():
+    from tellkit.layers.linear import GehringLinear
+
+    torch.manual_seed(0)
+    lin = GehringLinear(40, 30).eval()
+    x = torch.randn(5, 40)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expect = torch.nn.functional.linear(x, lin.effective_weight().clone(), lin.bias)
+        y = lin(x)
+        low = lin.__dict__["_folded_low"][torch.bfloat16]
+        assert low.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, expect, rtol=0, atol=0)  # what autocast's own cast gives
+        assert lin.__dict__["_folded_low"][torch.bfloat16] is low  # made once per fold
+        lin(x)
+        assert lin.__dict__["_folded_low"][torch.bfloat16] is low
+        lin.weight_g.mul_(2)  # a new fold: the old 16-bit copy is not used again
+        y2 = lin(x)
+    torch.testing.assert_close(y2.float() - lin.bias, (y.float() - lin.bias) * 2, rtol=2e-2, atol=2e-2)
+    assert lin.__dict__["_folded_low"][torch.bfloat16] is not low
+
+
+def test_layer_mix_matches_the_weighted_sum_at_any_layer_dim_and_keeps_the_dtype():
+    torch.manual_seed(0)
+    mix = LayerMix(4)
+    h = torch.randn(3, 5, 4, 6)
+    a = torch.softmax(mix.weights.detach(), 0)
+    for dim in (2, -2):
+        torch.testing.assert_close(mix(h, layer_dim=dim), (h * a.view(1, 1, 4, 1)).sum(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert mix(h.to(torch.bfloat16), layer_dim=2).dtype == torch.bfloat16
+        assert mix(h, layer_dim=2).dtype == torch.float32  # no copy into 16 bits of a float input
+
+
 def test_layer_mix_default_init_is_uniform_0_1_like_the_reference():
     torch.manual_seed(0)
     w = LayerMix(10_000).weights.detach()

@@ -255,11 +255,25 @@ class MultiheadAttention(nn.Module):
         """Project a context [B, S, kdim] once; reuse the result for every query / step."""
         value = key if value is None else value
         S = key.size(1)
-        k, v = rows.linear(self.k_proj, key), rows.linear(self.v_proj, value)
         if key_padding_mask is None:
             key_padding_mask = torch.zeros(key.shape[:2], dtype=torch.bool, device=key.device)
-        k, v, mask = self._extra_slots(k, v, key_padding_mask)
-        return ProjectedKV(self._split(k), self._split(v), mask, S)
+        extra = int(self.bias_k is not None) + int(self.add_zero_attn)
+        if extra:
+            key_padding_mask = torch.cat([key_padding_mask, key_padding_mask.new_zeros(key.size(0), extra)], 1)
+        # heads laid out one after the other ([B, H, S', hd], contiguous) in one copy with the
+        # extra slots: attending to a head-interleaved view would copy the whole context's
+        # keys/values at every decoding step
+        out = []
+        for proj, x, bias in ((self.k_proj, key, self.bias_k), (self.v_proj, value, self.bias_v)):
+            y = rows.linear(proj, x)
+            heads = y.new_empty(y.size(0), self.num_heads, S + extra, self.head_dim)
+            heads[:, :, :S] = self._split(y)
+            if bias is not None:
+                heads[:, :, S] = bias.view(self.num_heads, self.head_dim).to(y.dtype)
+            if self.add_zero_attn:
+                heads[:, :, -1] = 0
+            out.append(heads)
+        return ProjectedKV(out[0], out[1], key_padding_mask, S)
 
     def attend(self, query: torch.Tensor, kv: ProjectedKV | SharedKV, attn_mask: torch.Tensor | None = None,
                need_weights: bool = False):

@@ -7,6 +7,8 @@ a softmax (``init="zeros"`` starts from an exactly uniform mix).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -25,7 +27,13 @@ class LayerMix(nn.Module):
         """``hidden``: [..., num_layers (at ``layer_dim``), ...] -> same without that dim."""
         if hidden.size(layer_dim) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} hidden states, got {hidden.size(layer_dim)}")
-        alpha = torch.softmax(self.weights, dim=0).to(hidden.dtype)
-        shape = [1] * hidden.dim()
-        shape[layer_dim] = self.num_layers
-        return (hidden * alpha.view(shape)).sum(dim=layer_dim)
+        layer_dim = layer_dim % hidden.dim()
+        before, after = hidden.shape[:layer_dim], hidden.shape[layer_dim + 1:]
+        # one pass over the hidden states: a batched vector-matrix product (no [..., L, ...]
+        # temporary as large as the input), in the input's dtype: it is bound by memory, and
+        # autocast would first copy the input into 16 bits
+        with torch.autocast(hidden.device.type, enabled=False):
+            alpha = torch.softmax(self.weights.float(), dim=0).to(hidden.dtype)
+            h = hidden.reshape(math.prod(before), self.num_layers, math.prod(after))
+            out = torch.matmul(alpha.view(1, 1, -1), h)  # [P, 1, A]
+        return out.reshape(*before, *after)

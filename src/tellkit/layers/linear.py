@@ -97,9 +97,25 @@ class GehringLinear(nn.Module):
     def clear_folded(self) -> None:
         """Forget the folded inference weight (the next call folds again)."""
         self._folded = None
+        self.__dict__.pop("_folded_low", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.effective_weight(), self.bias)
+        w = self.effective_weight()
+        kind = x.device.type
+        if self._folded is not None and w is self._folded[0] and torch.is_autocast_enabled(kind):
+            # autocast would cast the folded weight (not a parameter, so not in its cache) at every
+            # call: keep its 16-bit copy with the fold
+            w = self._low_precision(w, torch.get_autocast_dtype(kind))
+        return F.linear(x, w, self.bias)
+
+    def _low_precision(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        low = self.__dict__.setdefault("_folded_low", {})
+        if low.get("of") is not w:  # a new fold: the copies of the old one are stale
+            low.clear()
+            low["of"] = w
+        if dtype not in low:
+            low[dtype] = w.to(dtype)
+        return low[dtype]
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # BTTR on a GPU lent for minutes, as one command: profile the training step, train until the time
-# is up, and leave everything in one flat folder (tellkit sprint; docs/bttr.md, "Short GPU runs").
+# is up, and leave everything in one flat folder (tellkit sprint; docs/bttr.md, "GPU sprints").
 #
 #   bench/gpu_sprint.sh DATA.tar.xz OUT [MINUTES] [START]
 #

@@ -5,9 +5,10 @@ batches through :class:`tellkit.pipelines.captioning.CaptioningPipeline` (the pr
 search ``tellkit evaluate`` runs). Without ``--model`` the packaged default model is used; any
 captioning checkpoint works (Transform and Tell, Show and Tell, Show-Attend-and-Tell, the LSTM
 captioner). Decoding follows the checkpoint's generation settings (its recipe's ``eval:``
-section) unless ``--beam-size`` / ``--max-len`` say otherwise. One input prints its caption,
-several print ``PATH<TAB>caption`` lines; ``--json`` prints one JSON object per input: the
-caption (``text``), its score, the detected faces and, for every generated token, its attention
+section) unless ``--beam-size`` / ``--max-len`` say otherwise. One input prints its caption
+(and, on standard error, how sure the model is), several print ``PATH<TAB>caption<TAB>CONFIDENCE``
+lines (:mod:`tellkit.cli.answers`); ``--json`` prints one JSON object per input: the caption
+(``text``), its score, ``confidence`` and ``unsure``, the detected faces and, for every generated token, its attention
 (mean over heads and layers) over the image grid cells, the article tokens and the faces (and,
 for models that read objects, how many object vectors there were: none for a new image, as no
 object detector ships). Images are decoded by :func:`tellkit.utils.images.open_image` (through
@@ -24,6 +25,7 @@ import json
 import sys
 
 from tellkit.cli import IMAGE_SUFFIXES, add_model_arguments, add_runtime_argument, expand_inputs, note_dtype
+from tellkit.cli.answers import print_plain
 from tellkit.errors import TellkitError
 
 NAME = "caption"
@@ -39,7 +41,7 @@ def add_arguments(p) -> None:
     add_model_arguments(p, "the packaged default captioner")
     add_runtime_argument(p)
     p.add_argument("--json", action="store_true",
-                   help="one JSON object per image: caption (text), score, faces, per-token attention")
+                   help="one JSON object per image: caption (text), score, confidence, unsure, faces, per-token attention")
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam width, 1 = greedy (default: the checkpoint's eval.beam_size)")
     p.add_argument("--max-len", type=int, default=None, help="most caption tokens (default: the checkpoint's)")
@@ -83,7 +85,7 @@ def run(args) -> int:
                 print(json.dumps({"input": path, **({"article": args.article} if args.article else {}), **res,
                                   "model": pipe.info}, ensure_ascii=False))
             else:
-                print(res["text"] if len(paths) == 1 else f"{path}\t{res['text']}")
+                print_plain(path, res, len(paths) > 1)
         sys.stdout.flush()
     if "objects" in pipe.contexts:
         print(f"tellkit caption: note: {pipe.info['objects']}", file=sys.stderr)

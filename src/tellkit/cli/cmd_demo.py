@@ -5,7 +5,9 @@ The samples (``tellkit/assets/demo_caption``, see its SOURCES.md; the math sampl
 redistribute; each image is decoded by :func:`tellkit.utils.images.open_image` (through
 ``encoders.preprocess.load_image``, like every image a user gives) and captioned with its article
 when it has one (``<name>.txt``). Until a default captioning model is installed, an untrained
-tiny model runs instead, and says so."""
+tiny model runs instead, and says so. Every answer is followed by how sure the model is (its
+confidence, and the flag ``unsure`` where the input looks unlike what the model learned:
+:mod:`tellkit.decoding.confidence`)."""
 from __future__ import annotations
 
 import argparse
@@ -55,7 +57,7 @@ def run(args) -> int:
             print(json.dumps({"image": img.name, "article": txt.name if article else None, **res}, ensure_ascii=False))
         else:
             faces = f", {len(res['faces'])} face(s)" if res.get("faces") else ""
-            print(f"{img.name}{' + ' + txt.name if article else ''}{faces}: {res['text']}")
+            print(f"{img.name}{' + ' + txt.name if article else ''}{faces}: {res['text']}{sureness(res)}")
     if not args.no_math:
         demo_math(args)
     return 0
@@ -73,7 +75,16 @@ def demo_math(args) -> None:
     if args.json:
         print(json.dumps({"image": SAMPLE_PATH.name, "truth": SAMPLE_LATEX, **res}, ensure_ascii=False))
     else:
-        print(f"{SAMPLE_PATH.name} (drawn: {SAMPLE_LATEX}): {res['text']}")
+        print(f"{SAMPLE_PATH.name} (drawn: {SAMPLE_LATEX}): {res['text']}{sureness(res)}")
+
+
+def sureness(res) -> str:
+    """How sure the model is, after the answer: ``  [confidence 0.83]`` or
+    ``  [unsure (confidence 0.12): this looks unlike what the model learned]``."""
+    from tellkit.decoding.confidence import describe  # heavy (torch)
+
+    words = describe(res)
+    return f"  [{words}]" if words else ""
 
 
 def print_model_title(folder) -> None:

@@ -3,8 +3,11 @@
 Inputs are bitmaps or InkML files, folders of them, or glob patterns, read through
 :class:`tellkit.pipelines.recognition.RecognitionPipeline` (the processor and search
 ``tellkit evaluate`` runs, with the checkpoint's whole stored search setting) in size-sorted
-batches. One input prints its LaTeX, several print ``PATH<TAB>LaTeX`` lines; ``--json`` prints
-one JSON object per input (``input``, ``text``, ``tokens``, ``score``)."""
+batches. One input prints its LaTeX (and, on standard error, how sure the model is), several
+print ``PATH<TAB>LaTeX<TAB>CONFIDENCE`` lines (:mod:`tellkit.cli.answers`); ``--json`` prints one
+JSON object per input (``input``, ``text``, ``tokens``, ``score``, ``confidence``, ``unsure``).
+A runaway output (one token or a few repeated over and over, as for a photo) is stopped early and
+flagged unsure."""
 from __future__ import annotations
 
 import json
@@ -17,6 +20,7 @@ from tellkit.cli import (
     note_dtype,
     positive_float,
 )
+from tellkit.cli.answers import print_plain
 from tellkit.errors import TellkitError
 
 NAME = "recognize"
@@ -29,7 +33,7 @@ def add_arguments(p) -> None:
                         "folders of them, or glob patterns")
     add_model_arguments(p, "the packaged model")
     add_runtime_argument(p)
-    p.add_argument("--json", action="store_true", help="one JSON object per input: input, text (LaTeX), tokens, score")
+    p.add_argument("--json", action="store_true", help="one JSON object per input: input, text (LaTeX), tokens, score, confidence, unsure")
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam size per direction (default: the checkpoint's, 10)")
     p.add_argument("--max-len", type=int, default=None, help="maximum output tokens (default: the checkpoint's, 200)")
@@ -53,8 +57,6 @@ def run(args) -> int:
     for path, r in zip(paths, results):
         if args.json:
             print(json.dumps({"input": path, **r}, ensure_ascii=False))
-        elif len(paths) > 1:
-            print(f"{path}\t{r['text']}")
         else:
-            print(r["text"])
+            print_plain(path, r, len(paths) > 1)
     return 0

@@ -11,7 +11,7 @@ captioner). Inputs go through the checkpoint's
 :class:`~tellkit.tasks.captioning.CaptionProcessor`, the one ``tellkit evaluate`` uses: the
 encoders its recipe names (``encoders:``), its article context (``data.context``,
 ``data.max_article_tokens``); decoding follows its ``eval:`` section (a
-:class:`~tellkit.tasks.captioning.CaptionGeneration`). A result holds ``text`` and ``score`` and,
+:class:`~tellkit.tasks.captioning.CaptionGeneration`). A result holds ``text``, ``score``, ``confidence`` and ``unsure`` and,
 unless the call says ``details=False``, what the processor documents (``tokens`` with attention,
 ``image_size``, ``grid``, ``faces``, ``article_text``, ``article_tokens``, ``objects``). Faces of
 a photo longer than :data:`FACE_DETECT_MAX_SIDE` (1600 px) are searched on a shrunk copy, so the
@@ -91,3 +91,8 @@ class CaptioningPipeline(Pipeline):
 
     def generate_options(self, details: bool = True, **options: Any) -> dict[str, Any]:
         return {"return_attention": bool(details)}
+
+    def postprocess(self, outputs, batch, **options: Any) -> list[dict]:
+        """Results with ``confidence`` and ``unsure`` (:mod:`tellkit.decoding.confidence`); a
+        caption that reached the length limit is unsure."""
+        return self.processor.decode(outputs, batch, max_len=self.generation.max_len, **options)

@@ -3,7 +3,7 @@
 
     rec = RecognitionPipeline.load()                        # the packaged default model
     rec("formula.png")["text"]                              # 'x ^ { 2 } + 1'
-    rec(["a.inkml", Strokes([[(0, 0), (5, 9)]]), pil_image])  # -> [{"text", "tokens", "score"}, ...]
+    rec(["a.inkml", Strokes([[(0, 0), (5, 9)]]), pil_image])  # -> [{"text", "tokens", "score", "confidence", "unsure"}, ...]
 
 Inputs are prepared by the checkpoint's :class:`~tellkit.tasks.recognition.RecognitionProcessor`,
 the one ``tellkit evaluate`` uses: InkML files and pen strokes (the web page's drawing pad) go
@@ -11,13 +11,17 @@ through the renderer of the training data (:mod:`tellkit.data.inkml`); bitmaps a
 bitmap loader (ink found in either polarity, cropped to the ink, scaled as in training; for a
 model trained on InkML renders, brought to the scale of those renders). The joint search runs
 with the whole stored search setting (``eval:``: beam size, length, alpha, bidirectional,
-rescore), over size-sorted batches.
+rescore), over size-sorted batches. A search whose output runs away (one token or a few repeated
+over and over: a photo given to the formula reader) is stopped early
+(:mod:`tellkit.decoding.runaway`), and every answer says how sure it is (``confidence``,
+``unsure``: :mod:`tellkit.decoding.confidence`); a runaway answer is always unsure.
 
 Also names the project's own sample expression (``assets/samples/bttr_x2_plus_1.{inkml,png}``,
 hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
+from tellkit.decoding.runaway import active, stopping_runaways
 from tellkit.pipelines.base import Pipeline
 from tellkit.recipes import ASSETS
 from tellkit.registry import create_model
@@ -32,13 +36,23 @@ SAMPLE_LATEX = "x ^ { 2 } + 1"
 
 class RecognitionPipeline(Pipeline):
     """Images, InkML files or :class:`Strokes` -> ``{"text": LaTeX tokens joined by spaces,
-    "tokens", "score"}``. ``load(..., stroke_size=PX)`` reads at another median stroke size
+    "tokens", "score", "confidence", "unsure"}``. ``load(..., stroke_size=PX)`` reads at another median stroke size
     than the checkpoint's (models trained on InkML renders)."""
 
     task = "recognize"
     families = ("bttr", "comer")
     processor_class = RecognitionProcessor
     processor_options = ("stroke_size",)
+
+    def forward(self, batch, **extra):
+        """The search, with runaway outputs stopped early (unless the caller set its own policy)."""
+        if active() is not None:
+            return super().forward(batch, **extra)
+        with stopping_runaways():
+            return super().forward(batch, **extra)
+
+    def postprocess(self, outputs, batch, **options):
+        return self.processor.decode(outputs, batch, max_len=self.generation.max_len, **options)
 
     @classmethod
     def untrained(cls, seed: int = 0, device: str = "cpu") -> RecognitionPipeline:

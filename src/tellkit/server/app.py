@@ -558,6 +558,8 @@ def response_models() -> dict[str, type]:
         caption: str
         tokens: list[Token]
         score: float | None  # log-probability; null when not finite
+        confidence: float | None = None  # 0..1 (tellkit.decoding.confidence); null: the model has no calibration
+        unsure: bool = False  # low confidence, or a runaway / empty answer
         image_size: list[int]
         resized_from: list[int] | None
         grid: Grid
@@ -572,6 +574,8 @@ def response_models() -> dict[str, type]:
         latex: str
         tokens: list[str]
         score: float | None
+        confidence: float | None = None
+        unsure: bool = False
         resized_from: list[int] | None
         model: dict[str, Any]
         elapsed_ms: float

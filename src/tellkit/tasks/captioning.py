@@ -80,6 +80,7 @@ from tellkit.recipes import (
 )
 from tellkit.registry import get_entry
 from tellkit.tasks import register_task
+from tellkit.decoding import confidence as confidences
 from tellkit.tasks.processor import Processor, as_pil, finite_or_none, input_path, is_array, is_pil
 from tellkit.training.evaluation import to_device
 from tellkit.training.self_critical import SelfCritical
@@ -241,8 +242,9 @@ class CaptionProcessor(Processor):
     eval_class = CaptionEvalConfig
 
     def __init__(self, bundle: EncoderBundle, tokenizer: CaptionTokenizer | None = None,
-                 contexts: Sequence[str] | None = None):
+                 contexts: Sequence[str] | None = None, calibration: confidences.Calibration | None = None):
         self.bundle = bundle
+        self.calibration = calibration  # None: confidence null, unsure only for runaway/empty captions
         self.contexts = tuple(contexts or bundle.contexts)
         missing = [c for c in self.contexts if c not in bundle.contexts]
         if missing:
@@ -274,7 +276,7 @@ class CaptionProcessor(Processor):
         bundle = cls.recipe_bundle(recipe, contexts, context_mode=None if "article" in contexts else "none",
                                    device=device or "cpu", shared_encoders=shared_encoders,
                                    face_max_side=face_max_side)
-        return cls(bundle, contexts=contexts)
+        return cls(bundle, contexts=contexts, calibration=confidences.from_meta(meta))
 
     def check(self, model, generation) -> None:
         """The model reads these contexts, at the sizes these encoders give."""
@@ -335,10 +337,18 @@ class CaptionProcessor(Processor):
     def texts(self, outputs: Mapping[str, Any]) -> list[str]:
         return [self.tokenizer.decode(toks).strip() for toks in outputs["tokens"]]
 
-    def decode(self, outputs, batch, details: bool = True, **options) -> list[dict[str, Any]]:
+    def sureness(self, outputs: Mapping[str, Any], b: int, max_len: int | None = None) -> dict[str, Any]:
+        """``{"confidence", "unsure"}`` of caption ``b`` (:mod:`tellkit.decoding.confidence`)."""
+        return confidences.assess(self.calibration, finite_or_none(outputs["scores"][b]), list(outputs["tokens"][b]),
+                                  max_len)
+
+    def decode(self, outputs, batch, details: bool = True, max_len: int | None = None,
+               **options) -> list[dict[str, Any]]:
+        """``max_len``: the search's length limit (a caption that reached it ran away)."""
         texts = self.texts(outputs)
         if not details:
-            return [{"text": t, "score": finite_or_none(s)} for t, s in zip(texts, outputs["scores"])]
+            return [{"text": t, "score": finite_or_none(s), **self.sureness(outputs, b, max_len)}
+                    for b, (t, s) in enumerate(zip(texts, outputs["scores"]))]
         tf = self.bundle.image_encoder.preprocess
         results = []
         for b, (enc, toks) in enumerate(zip(batch["encoded"], outputs["tokens"])):
@@ -353,6 +363,7 @@ class CaptionProcessor(Processor):
             res = {
                 "text": texts[b],
                 "score": finite_or_none(outputs["scores"][b]),
+                **self.sureness(outputs, b, max_len),
                 "tokens": pieces,
                 "image_size": [im.width, im.height],
                 "grid": {"rows": rows, "cols": cols, "box": tf.kept_box(im.width, im.height)},
@@ -632,9 +643,11 @@ class CaptioningTask(Task):
     # -- evaluation ---------------------------------------------------------------------------
     def predict(self, model, batch):
         out = self.processor.generate(model, batch, self.generation, self.precision)
-        return [{"id": i, "image_id": iid, "prediction": text, "references": refs}
-                for i, iid, text, refs in zip(batch["ids"], batch["image_ids"], self.processor.texts(out),
-                                              batch["references"])]
+        # the search's score and length go with each prediction (what `tellkit calibrate` fits on)
+        return [{"id": i, "image_id": iid, "prediction": text, "references": refs, "score": finite_or_none(sc),
+                 "length": len(toks)}
+                for i, iid, text, refs, sc, toks in zip(batch["ids"], batch["image_ids"], self.processor.texts(out),
+                                                        batch["references"], out["scores"], out["tokens"])]
 
     @functools.cached_property
     def ner_model(self) -> str:

@@ -58,6 +58,7 @@ from tellkit.data.recognition import (
     make_renderer,
     resolve_data_root,
 )
+from tellkit.decoding import confidence as confidences
 from tellkit.errors import TellkitError
 from tellkit.metrics.exprate import edit_distance, exprate
 from tellkit.recipes import GenerationSettings, known_keys, section
@@ -98,15 +99,18 @@ class Strokes(list):
 
 class RecognitionProcessor(Processor):
     """Handwritten-math inputs -> BTTR batches (``image`` [B, 1, H, W], ``image_mask``); the joint
-    search's output -> ``{"text": LaTeX tokens joined by spaces, "tokens", "score"}``."""
+    search's output -> ``{"text": LaTeX tokens joined by spaces, "tokens", "score", "confidence",
+    "unsure"}`` (:mod:`tellkit.decoding.confidence`, with the checkpoint's stored calibration)."""
 
     task = "recognize"
     generation_class = RecognitionGeneration
     eval_class = RecognitionEvalConfig
 
-    def __init__(self, data: RecognitionDataConfig | None = None, vocab: Vocab | None = None):
+    def __init__(self, data: RecognitionDataConfig | None = None, vocab: Vocab | None = None,
+                 calibration: confidences.Calibration | None = None):
         self.data = check(data or RecognitionDataConfig())
         self.vocab = vocab or Vocab()
+        self.calibration = calibration  # None: confidence null, unsure only for runaway/empty answers
         # InkML and strokes: the training data's renderer (no disk cache for one-off inputs)
         self.renderer = make_renderer(dataclasses.replace(self.data, cache=None))
         # bitmaps: as the training bitmaps were prepared, or brought to the renders' scale
@@ -124,7 +128,7 @@ class RecognitionProcessor(Processor):
                 raise TellkitError(f"stroke_size: {path} was trained on bitmaps, not on InkML renders; "
                                    "it reads images at their own size")
             data = dataclasses.replace(data, render={**data.render, "stroke_size": stroke_size})
-        return cls(data)
+        return cls(data, calibration=confidences.from_meta(meta))
 
     @classmethod
     def stored_eval(cls, meta: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -174,11 +178,14 @@ class RecognitionProcessor(Processor):
     def call_generate(self, model, batch, kwargs):
         return model.generate(batch["image"], batch["image_mask"], **kwargs)
 
-    def decode(self, outputs, batch, **options) -> list[dict[str, Any]]:
+    def decode(self, outputs, batch, max_len: int | None = None, **options) -> list[dict[str, Any]]:
+        """``max_len``: the search's length limit (an answer that reached it ran away)."""
         results = []
         for toks, score in zip(outputs["tokens"], outputs["scores"]):
             words = self.vocab.decode(toks)
-            results.append({"text": " ".join(words), "tokens": words, "score": finite_or_none(score)})
+            sc = finite_or_none(score)
+            results.append({"text": " ".join(words), "tokens": words, "score": sc,
+                            **confidences.assess(self.calibration, sc, words, max_len)})
         return results
 
 
@@ -250,7 +257,7 @@ class RecognitionTask(Task):
     def predict(self, model, batch):
         out = self.processor.generate(model, batch, self.generation, self.precision)
         preds = []
-        for i, res in enumerate(self.processor.decode(out, batch)):
+        for i, res in enumerate(self.processor.decode(out, batch, max_len=self.generation.max_len)):
             hyp, ref = res["tokens"], list(batch["tokens"][i])
             preds.append({"id": batch["ids"][i], "prediction": res["text"], "reference": " ".join(ref),
                           "score": res["score"], "distance": edit_distance(hyp, ref), "correct": hyp == ref})

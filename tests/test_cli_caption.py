@@ -122,6 +122,7 @@ def test_a_folder_and_a_glob_answer_for_every_photo_in_batches(tmp_path, capsys)
     """`tellkit caption DIR`: one line per photo of the folder (its other files left alone), the
     same captions as one photo at a time; a glob pattern and the --image / --checkpoint spellings
     name the same photos."""
+    from tellkit.cli.answers import sureness_column
     from tellkit.recipes import PACKAGED_DEFAULTS
 
     photos = sorted(str(p) for p in DEMO.glob("*.jpg"))
@@ -130,6 +131,6 @@ def test_a_folder_and_a_glob_answer_for_every_photo_in_batches(tmp_path, capsys)
     assert [r["input"] for r in rows] == photos and all(r["text"] and r["tokens"] for r in rows)
     assert main(["caption", str(DEMO / "*.jpg"), "--batch-size", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"{r['input']}\t{r['text']}" for r in rows]
+    assert lines == [f"{r['input']}\t{r['text']}\t{sureness_column(r)}" for r in rows]
     assert main(["caption", "--image", photos[1], "--checkpoint", str(PACKAGED_DEFAULTS["caption"])]) == 0
     assert capsys.readouterr().out.strip() == rows[1]["text"]

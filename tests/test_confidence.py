@@ -186,6 +186,7 @@ def test_the_packaged_models_carry_their_calibration():
     for task, right in [("recognize", "exact match"), ("caption", "caption CIDEr-D")]:
         cal = C.from_meta(read_checkpoint_config(PACKAGED_DEFAULTS[task]))
         assert cal is not None and cal.right.startswith(right) and cal.n >= 300 and cal.auroc > 0.6
+        assert (cal.input is not None) == (task == "caption")  # the captioner also checks its photos
 
 
 # --- every interface ------------------------------------------------------------------------------------
@@ -258,3 +259,25 @@ def test_server_answers_carry_confidence_and_unsure(captioner, tiny_reader):
         res = r.json()
         assert 0.0 <= res["confidence"] <= 1.0 and isinstance(res["unsure"], bool)
 
+
+
+def test_the_input_check_flags_inputs_far_from_the_typical_ones():
+    rng = np.random.RandomState(0)
+    direction = rng.rand(64) + 0.5
+    typical = direction[None] * (1 + 0.1 * rng.randn(200, 64))  # all near one direction
+    check = C.fit_input_check(torch.tensor(typical), share=0.05, fitted_on="t")
+    assert C.InputCheck.from_dict(json.loads(json.dumps(check.to_dict()))) == check
+    far = np.sum(np.array([check.distance(v) > check.limit for v in typical[1::2]]))
+    assert far <= int(np.ceil(0.05 * 100))  # the asked share of held-out typical inputs, at most
+    odd = rng.rand(64) * (rng.rand(64) < 0.2)  # another direction
+    assert check.distance(odd) > check.limit and check.distance(direction * 3) < 1e-3
+    cal = C.Calibration(CAL.weights, CAL.bias, CAL.threshold, input=check)
+    assert C.Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+    sure = C.assess(cal, -0.01, ["a", "dog"], 30, torch.tensor(direction))
+    unlike = C.assess(cal, -0.01, ["a", "dog"], 30, torch.tensor(odd))
+    assert sure["unsure"] is False and unlike["unsure"] is True and unlike["confidence"] <= cal.threshold
+    assert C.assess(cal, -0.01, ["a", "dog"], 30, None) == sure  # no features: the curve alone
+    with pytest.raises(TellkitError, match="at least 20"):
+        C.fit_input_check(torch.tensor(typical[:10]))
+    with pytest.raises(TellkitError, match="measures 64"):
+        check.distance(np.zeros(3))

@@ -10,12 +10,22 @@ threshold (the confidence below which ``--unsure-share`` of the validation answe
 under ``confidence`` in the checkpoint's ``config.json``: of a copy (``--out DIR``) or of the
 checkpoint itself (``--in-place``). See :mod:`tellkit.decoding.confidence`. Prints what was
 fitted and how well it separates right from wrong answers (AUROC), as JSON.
+
+A captioner may also learn what its photos look like (``--typical`` photos like its training
+photos, or ``--typical-list NAMES --typical-root DIR``, e.g. Flickr8k's official
+``Flickr_8k.trainImages.txt`` and its ``images`` folder; the first ``--typical-limit``): the mean
+direction of their image features, and the distance from it that ``--typical-share`` of them
+exceed. A photo further away is unsure, whatever its score.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
+from pathlib import Path
 
+from tellkit.cli import IMAGE_SUFFIXES, expand_inputs, positive_int
 from tellkit.errors import TellkitError
 
 NAME = "calibrate"
@@ -36,6 +46,44 @@ def add_arguments(p) -> None:
                    help="the share of validation answers left below the unsure threshold (default 0.1)")
     p.add_argument("--fitted-on", default=None, metavar="TEXT",
                    help="what the predictions are, in words (stored with the calibration)")
+    p.add_argument("--typical", nargs="+", default=[], metavar="IMAGE",
+                   help="captioners: photos like the training photos (files, folders, globs)")
+    p.add_argument("--typical-list", metavar="FILE", help="captioners: a file naming such photos, one a line")
+    p.add_argument("--typical-root", metavar="DIR", help="the folder the names of --typical-list are in")
+    p.add_argument("--typical-limit", type=positive_int, default=600, metavar="N",
+                   help="use the first N typical photos (default 600)")
+    p.add_argument("--typical-share", type=float, default=0.01, metavar="F",
+                   help="the share of typical photos beyond the limit (default 0.01)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for the typical photos (default cpu)")
+
+
+def typical_paths(args) -> list[str]:
+    """The typical photos named by --typical and --typical-list (the first --typical-limit)."""
+    from tellkit.utils.files import read_text  # heavy
+
+    paths = expand_inputs(args.typical, IMAGE_SUFFIXES, "images") if args.typical else []
+    if args.typical_list:
+        if not args.typical_root:
+            raise TellkitError("--typical-list needs --typical-root (the folder its names are in)")
+        names = [ln.strip() for ln in read_text(args.typical_list, "--typical-list", 64 * 2**20).splitlines()]
+        paths += [str(Path(args.typical_root) / n) for n in names if n]
+    return paths[: args.typical_limit]
+
+
+def typical_features(checkpoint, paths: list[str], device: str):
+    """The mean image-encoder grid vector of each photo, through the captioner's own processor."""
+    import torch  # heavy
+
+    from tellkit.pipelines.captioning import CaptioningPipeline  # heavy
+
+    proc = CaptioningPipeline.load(checkpoint, device=device).processor
+    if "image" not in proc.contexts:
+        raise TellkitError("--typical: this captioner reads no image grid to compare")
+    out = []
+    for i in range(0, len(paths), 16):
+        items = proc.encode([proc.prepare(p) for p in paths[i:i + 16]])
+        out += [it["image"].float().mean(0) for it in items]
+    return torch.stack(out)
 
 
 def read_rows(path: str, task: str, cider_at_least: float) -> tuple[list, list, list, str]:
@@ -67,11 +115,8 @@ def read_rows(path: str, task: str, cider_at_least: float) -> tuple[list, list, 
 
 
 def run(args) -> int:
-    import shutil  # heavy enough: only here
-    from pathlib import Path
-
-    from tellkit.checkpoint import CONFIG_NAME, atomic_write_json, read_checkpoint_config, resolve_checkpoint
-    from tellkit.decoding import confidence
+    from tellkit.checkpoint import CONFIG_NAME, atomic_write_json, read_checkpoint_config, resolve_checkpoint  # heavy
+    from tellkit.decoding import confidence  # heavy
 
     src = resolve_checkpoint(args.checkpoint, follow_links=False)
     meta = read_checkpoint_config(src)
@@ -82,6 +127,14 @@ def run(args) -> int:
     scores, lengths, right, means = read_rows(args.predictions, task, args.cider_at_least)
     fitted_on = args.fitted_on or f"{Path(args.predictions).name} ({len(scores)} answers)"
     cal = confidence.fit(scores, lengths, right, unsure_share=share, right_means=means, fitted_on=fitted_on)
+    if args.typical or args.typical_list:
+        if task != "captioning":
+            raise TellkitError("--typical: the input check is for captioners")
+        paths = typical_paths(args)
+        check = confidence.fit_input_check(typical_features(src, paths, args.device), share=args.typical_share,
+                                           fitted_on=f"{len(paths)} typical photos"
+                                           + (f" named in {Path(args.typical_list).name}" if args.typical_list else ""))
+        cal = dataclasses.replace(cal, input=check)
     if args.out:
         dst = Path(args.out)
         if dst.exists() and any(dst.iterdir()):
@@ -90,6 +143,8 @@ def run(args) -> int:
     else:
         dst = src
     atomic_write_json(dst / CONFIG_NAME, {**meta, confidence.META_KEY: cal.to_dict()})
-    print(json.dumps({"checkpoint": str(dst), "right_share": round(sum(right) / len(right), 4),
-                      **cal.to_dict()}, indent=2))
+    shown = cal.to_dict()
+    if "input" in shown:  # the mean direction is long: its size only
+        shown["input"] = {**shown["input"], "mean": f"<{len(cal.input.mean)} numbers>"}
+    print(json.dumps({"checkpoint": str(dst), "right_share": round(sum(right) / len(right), 4), **shown}, indent=2))
     return 0

@@ -43,6 +43,63 @@ def features(score: float, length: int) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
+class InputCheck:
+    """Whether an input looks like those the model learned from: the cosine distance between its
+    feature vector (for a captioner, the mean of its image encoder's grid vectors) and the mean
+    direction of typical inputs' vectors; beyond ``limit`` it looks unlike them."""
+
+    mean: tuple[float, ...]
+    limit: float
+    feature: str = "image_mean"  # what is measured
+    fitted_on: str = ""
+
+    def __post_init__(self) -> None:
+        mean = tuple(float(x) for x in self.mean)
+        if not mean or not all(math.isfinite(x) for x in (*mean, self.limit)) or not 0 < self.limit <= 2 \
+                or not any(mean):
+            raise TellkitError("confidence calibration: the input check needs a finite, non-zero mean direction "
+                               "and a limit in (0, 2]")
+        object.__setattr__(self, "mean", mean)
+
+    def distance(self, vector) -> float:
+        """1 - cos(vector, mean direction): 0 along it, 1 at right angles."""
+        v = torch.as_tensor(vector, dtype=torch.float64).flatten()
+        if v.numel() != len(self.mean):
+            raise TellkitError(f"confidence: the input check measures {len(self.mean)} features, got {v.numel()}")
+        m = torch.tensor(self.mean, dtype=torch.float64)
+        return float(1.0 - torch.nn.functional.cosine_similarity(v, m, dim=0, eps=1e-12))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"feature": self.feature, "measure": "cosine distance to the mean direction", "limit": self.limit,
+                "fitted_on": self.fitted_on, "mean": list(self.mean)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> InputCheck:
+        try:
+            return cls(tuple(d["mean"]), float(d["limit"]), str(d.get("feature", "image_mean")),
+                       str(d.get("fitted_on", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TellkitError(f"confidence calibration: bad input check ({exc})") from None
+
+
+def fit_input_check(vectors, share: float = 0.01, feature: str = "image_mean", fitted_on: str = "") -> InputCheck:
+    """An :class:`InputCheck` from the feature vectors of typical inputs: the mean direction from
+    every other one, the limit from the rest (the distance that ``share`` of them exceed), so the
+    limit is measured on inputs the mean did not see."""
+    x = torch.as_tensor(vectors, dtype=torch.float64)
+    if x.ndim != 2 or x.shape[0] < 20:
+        raise TellkitError(f"calibrate: at least 20 typical inputs are needed for the input check, got {len(x)}")
+    if not 0.0 < share < 0.5:
+        raise TellkitError(f"calibrate: the share of typical inputs beyond the limit must be in (0, 0.5), got {share}")
+    a, b = x[0::2], x[1::2]
+    mean = torch.nn.functional.normalize(a, dim=1).mean(0)
+    check = InputCheck(tuple(float(f"{v:.6g}") for v in mean.tolist()), 1.0, feature, fitted_on)  # 6 digits
+    dist = sorted(check.distance(v) for v in b)
+    limit = dist[min(int(math.ceil((1.0 - share) * len(dist))), len(dist) - 1)]
+    return InputCheck(check.mean, float(limit), feature, fitted_on)
+
+
+@dataclass(frozen=True)
 class Calibration:
     """confidence = sigmoid(weights . features(score, length) + bias); unsure below ``threshold``.
     The weight of the score is never negative, so a higher score never lowers the confidence."""
@@ -54,6 +111,7 @@ class Calibration:
     fitted_on: str = ""   # the validation data it was fitted on
     n: int = 0            # answers it was fitted on
     auroc: float | None = None  # how well the confidence separated right from wrong there
+    input: InputCheck | None = None  # inputs unlike the training inputs are unsure (optional)
 
     def __post_init__(self) -> None:
         w = tuple(float(x) for x in self.weights)
@@ -72,9 +130,12 @@ class Calibration:
         return _sigmoid(z)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": "logistic", "features": list(FEATURES), "weights": list(self.weights),
-                "bias": self.bias, "threshold": self.threshold, "right": self.right, "fitted_on": self.fitted_on,
-                "n": self.n, "auroc": self.auroc}
+        d = {"method": "logistic", "features": list(FEATURES), "weights": list(self.weights),
+             "bias": self.bias, "threshold": self.threshold, "right": self.right, "fitted_on": self.fitted_on,
+             "n": self.n, "auroc": self.auroc}
+        if self.input is not None:
+            d["input"] = self.input.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Calibration:
@@ -86,7 +147,8 @@ class Calibration:
         try:
             return cls(tuple(d["weights"]), float(d["bias"]), float(d["threshold"]), str(d.get("right", "")),
                        str(d.get("fitted_on", "")), int(d.get("n", 0)),
-                       None if d.get("auroc") is None else float(d["auroc"]))
+                       None if d.get("auroc") is None else float(d["auroc"]),
+                       None if d.get("input") is None else InputCheck.from_dict(d["input"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise TellkitError(f"confidence calibration: missing or bad field ({exc})") from None
 
@@ -120,9 +182,13 @@ def runaway(tokens: Sequence[Any], max_len: int | None = None) -> bool:
 
 
 def assess(calibration: Calibration | None, score: float | None, tokens: Sequence[Any],
-           max_len: int | None = None) -> dict[str, Any]:
-    """``{"confidence", "unsure"}`` of one answer (see the module docstring)."""
+           max_len: int | None = None, features: Any = None) -> dict[str, Any]:
+    """``{"confidence", "unsure"}`` of one answer (see the module docstring); ``features``: the
+    input's feature vector, for a calibration with an :class:`InputCheck` (an input unlike the
+    training inputs is unsure, its confidence at most the threshold)."""
     broken = score is None or not math.isfinite(score) or not tokens or runaway(tokens, max_len)
+    if calibration is not None and calibration.input is not None and features is not None:
+        broken = broken or calibration.input.distance(features) > calibration.input.limit
     if calibration is None:
         return {"confidence": None, "unsure": bool(broken)}
     conf = 0.0 if score is None or not math.isfinite(score) else calibration.confidence(score, len(tokens))

@@ -337,17 +337,22 @@ class CaptionProcessor(Processor):
     def texts(self, outputs: Mapping[str, Any]) -> list[str]:
         return [self.tokenizer.decode(toks).strip() for toks in outputs["tokens"]]
 
-    def sureness(self, outputs: Mapping[str, Any], b: int, max_len: int | None = None) -> dict[str, Any]:
-        """``{"confidence", "unsure"}`` of caption ``b`` (:mod:`tellkit.decoding.confidence`)."""
+    def sureness(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], b: int,
+                 max_len: int | None = None) -> dict[str, Any]:
+        """``{"confidence", "unsure"}`` of caption ``b`` (:mod:`tellkit.decoding.confidence`); the
+        input check reads the mean of the photo's image-encoder grid vectors."""
+        encoded = batch.get("encoded") or []
+        grid = encoded[b].get("image") if b < len(encoded) else None
+        features = grid.float().mean(0) if isinstance(grid, torch.Tensor) and grid.ndim == 2 and len(grid) else None
         return confidences.assess(self.calibration, finite_or_none(outputs["scores"][b]), list(outputs["tokens"][b]),
-                                  max_len)
+                                  max_len, features)
 
     def decode(self, outputs, batch, details: bool = True, max_len: int | None = None,
                **options) -> list[dict[str, Any]]:
         """``max_len``: the search's length limit (a caption that reached it ran away)."""
         texts = self.texts(outputs)
         if not details:
-            return [{"text": t, "score": finite_or_none(s), **self.sureness(outputs, b, max_len)}
+            return [{"text": t, "score": finite_or_none(s), **self.sureness(outputs, batch, b, max_len)}
                     for b, (t, s) in enumerate(zip(texts, outputs["scores"]))]
         tf = self.bundle.image_encoder.preprocess
         results = []
@@ -363,7 +368,7 @@ class CaptionProcessor(Processor):
             res = {
                 "text": texts[b],
                 "score": finite_or_none(outputs["scores"][b]),
-                **self.sureness(outputs, b, max_len),
+                **self.sureness(outputs, batch, b, max_len),
                 "tokens": pieces,
                 "image_size": [im.width, im.height],
                 "grid": {"rows": rows, "cols": cols, "box": tf.kept_box(im.width, im.height)},

@@ -281,3 +281,50 @@ def test_the_input_check_flags_inputs_far_from_the_typical_ones():
         C.fit_input_check(torch.tensor(typical[:10]))
     with pytest.raises(TellkitError, match="measures 64"):
         check.distance(np.zeros(3))
+
+
+def test_calibrate_a_captioner_with_its_typical_photos(tmp_path, capsys):
+    """Caption predictions (CIDEr-D per caption) and typical photos: the copy's calibration holds
+    the curve and an input check measured with the captioner's own image encoder."""
+    from tellkit.pipelines.captioning import CaptioningPipeline
+    from tellkit.recipes import PACKAGED_DEFAULTS
+
+    rng = random.Random(2)
+    rows = []
+    for i in range(60):
+        score = -abs(rng.gauss(0.5, 0.4))
+        cider = max(0.0, 60 + 80 * (score + 0.5) + rng.gauss(0, 30))
+        rows.append({"id": f"{i}.jpg#0", "image_id": f"{i}.jpg", "prediction": "a dog runs", "references": ["a dog"],
+                     "score": score, "length": rng.randint(5, 15), "scores": {"cider": cider}})
+    preds = tmp_path / "predictions_val.jsonl"
+    preds.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    photos = tmp_path / "typical"
+    photos.mkdir()
+    for i in range(24):  # outdoor-like scenes: sky over grass, a figure
+        im = Image.new("RGB", (96, 96), (100 + 4 * i, 150, 230))
+        d = ImageDraw.Draw(im)
+        d.rectangle((0, 55 + i % 10, 96, 96), fill=(40, 120 + 3 * i, 40))
+        d.ellipse((30 + i, 30, 50 + i, 70), fill=(120, 70, 40))
+        im.save(photos / f"p{i:02d}.png")
+    out = tmp_path / "cap"
+    assert main(["calibrate", str(PACKAGED_DEFAULTS["caption"]), "--predictions", str(preds), "--out", str(out),
+                 "--cider-at-least", "60", "--typical", str(photos), "--typical-share", "0.1"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    cal = C.from_meta(read_checkpoint_config(out))
+    assert cal.right.endswith(">= 60 against the image's references") and cal.n == 60
+    assert cal.input is not None and len(cal.input.mean) == 1280 and printed["input"]["mean"] == "<1280 numbers>"
+    assert cal.input.fitted_on == "24 typical photos"
+    pipe = CaptioningPipeline.load(out)
+    near = pipe(str(photos / "p03.png"), details=False)
+    screen = Image.new("RGB", (96, 96), "white")
+    ImageDraw.Draw(screen).text((5, 40), "File Edit View", fill="black")
+    far = pipe(screen, details=False)
+    feats = [pipe.processor.encode([pipe.processor.prepare(x)])[0]["image"].mean(0) for x in (str(photos / "p03.png"), screen)]
+    assert [cal.input.distance(f) > cal.input.limit for f in feats] == [False, True]
+    assert far["unsure"] is True and far["confidence"] <= cal.threshold
+    assert near["confidence"] == pytest.approx(cal.confidence(near["score"], len(pipe(str(photos / "p03.png"))["tokens"])),
+                                               abs=1e-4)
+    # an input check is for captioners; a recognition checkpoint refuses it in one line
+    assert main(["calibrate", str(PACKAGED_DEFAULTS["recognize"]), "--predictions", str(preds), "--out",
+                 str(tmp_path / "r"), "--typical", str(photos)]) == 2
+    assert "line 1" in capsys.readouterr().err  # caption rows are not recognition predictions

@@ -319,11 +319,12 @@ def test_calibrate_a_captioner_with_its_typical_photos(tmp_path, capsys):
     screen = Image.new("RGB", (96, 96), "white")
     ImageDraw.Draw(screen).text((5, 40), "File Edit View", fill="black")
     far = pipe(screen, details=False)
-    feats = [pipe.processor.encode([pipe.processor.prepare(x)])[0]["image"].mean(0) for x in (str(photos / "p03.png"), screen)]
+    feats = [pipe.processor.encode([pipe.processor.prepare(x)])[0]["image"].mean(0)
+             for x in (str(photos / "p03.png"), screen)]
     assert [cal.input.distance(f) > cal.input.limit for f in feats] == [False, True]
     assert far["unsure"] is True and far["confidence"] <= cal.threshold
-    assert near["confidence"] == pytest.approx(cal.confidence(near["score"], len(pipe(str(photos / "p03.png"))["tokens"])),
-                                               abs=1e-4)
+    tokens = len(pipe(str(photos / "p03.png"))["tokens"])
+    assert near["confidence"] == pytest.approx(cal.confidence(near["score"], tokens), abs=1e-4)
     # an input check is for captioners; a recognition checkpoint refuses it in one line
     assert main(["calibrate", str(PACKAGED_DEFAULTS["recognize"]), "--predictions", str(preds), "--out",
                  str(tmp_path / "r"), "--typical", str(photos)]) == 2

@@ -39,7 +39,8 @@ def add_arguments(p) -> None:
                    help="predictions_val.jsonl written by `tellkit evaluate CHECKPOINT --split val`")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--out", metavar="DIR", help="write a copy of the checkpoint with the calibration here")
-    where.add_argument("--in-place", action="store_true", help="write the calibration into the checkpoint's config.json")
+    where.add_argument("--in-place", action="store_true",
+                       help="write the calibration into the checkpoint's config.json")
     p.add_argument("--cider-at-least", type=float, default=DEFAULT_CIDER, metavar="X",
                    help=f"captions: right when their CIDEr-D (x100) is at least X (default {DEFAULT_CIDER:g})")
     p.add_argument("--unsure-share", type=float, default=None, metavar="F",

@@ -41,7 +41,8 @@ def add_arguments(p) -> None:
     add_model_arguments(p, "the packaged default captioner")
     add_runtime_argument(p)
     p.add_argument("--json", action="store_true",
-                   help="one JSON object per image: caption (text), score, confidence, unsure, faces, per-token attention")
+                   help="one JSON object per image: caption (text), score, confidence, unsure, faces, "
+                        "per-token attention")
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam width, 1 = greedy (default: the checkpoint's eval.beam_size)")
     p.add_argument("--max-len", type=int, default=None, help="most caption tokens (default: the checkpoint's)")

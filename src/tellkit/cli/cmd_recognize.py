@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
                         "folders of them, or glob patterns")
     add_model_arguments(p, "the packaged model")
     add_runtime_argument(p)
-    p.add_argument("--json", action="store_true", help="one JSON object per input: input, text (LaTeX), tokens, score, confidence, unsure")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per input: input, text (LaTeX), tokens, score, confidence, unsure")
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam size per direction (default: the checkpoint's, 10)")
     p.add_argument("--max-len", type=int, default=None, help="maximum output tokens (default: the checkpoint's, 200)")

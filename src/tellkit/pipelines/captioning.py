@@ -11,9 +11,10 @@ captioner). Inputs go through the checkpoint's
 :class:`~tellkit.tasks.captioning.CaptionProcessor`, the one ``tellkit evaluate`` uses: the
 encoders its recipe names (``encoders:``), its article context (``data.context``,
 ``data.max_article_tokens``); decoding follows its ``eval:`` section (a
-:class:`~tellkit.tasks.captioning.CaptionGeneration`). A result holds ``text``, ``score``, ``confidence`` and ``unsure`` and,
-unless the call says ``details=False``, what the processor documents (``tokens`` with attention,
-``image_size``, ``grid``, ``faces``, ``article_text``, ``article_tokens``, ``objects``). Faces of
+:class:`~tellkit.tasks.captioning.CaptionGeneration`). A result holds ``text``, ``score``,
+``confidence`` and ``unsure`` (:mod:`tellkit.decoding.confidence`) and, unless the call says
+``details=False``, what the processor documents (``tokens`` with attention, ``image_size``,
+``grid``, ``faces``, ``article_text``, ``article_tokens``, ``objects``). Faces of
 a photo longer than :data:`FACE_DETECT_MAX_SIDE` (1600 px) are searched on a shrunk copy, so the
 detector's memory stays bounded; the boxes are given in the photo's own pixels and the crops are
 cut from it (models without faces, such as the packaged default, are not affected).

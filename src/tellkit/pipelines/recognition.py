@@ -3,7 +3,7 @@
 
     rec = RecognitionPipeline.load()                        # the packaged default model
     rec("formula.png")["text"]                              # 'x ^ { 2 } + 1'
-    rec(["a.inkml", Strokes([[(0, 0), (5, 9)]]), pil_image])  # -> [{"text", "tokens", "score", "confidence", "unsure"}, ...]
+    rec(["a.inkml", Strokes([[(0, 0), (5, 9)]]), pil_image])  # -> [{"text", "tokens", "score", ...}, ...]
 
 Inputs are prepared by the checkpoint's :class:`~tellkit.tasks.recognition.RecognitionProcessor`,
 the one ``tellkit evaluate`` uses: InkML files and pen strokes (the web page's drawing pad) go

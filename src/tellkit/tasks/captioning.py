@@ -59,6 +59,7 @@ from tellkit.data import load_captions
 from tellkit.data.batch import CaptionBatch, CaptionItem, collate_captions
 from tellkit.data.bucketing import bucket_batches
 from tellkit.data.sample import CaptionSample
+from tellkit.decoding import confidence as confidences
 from tellkit.encoders.bundle import CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.encoders.features import FeatureConfig, FeatureStore, extract_features
 from tellkit.encoders.preprocess import load_image
@@ -80,7 +81,6 @@ from tellkit.recipes import (
 )
 from tellkit.registry import get_entry
 from tellkit.tasks import register_task
-from tellkit.decoding import confidence as confidences
 from tellkit.tasks.processor import Processor, as_pil, finite_or_none, input_path, is_array, is_pil
 from tellkit.training.evaluation import to_device
 from tellkit.training.self_critical import SelfCritical

@@ -8,7 +8,9 @@ Every answer of ``recognize`` and ``caption`` carries
   (:class:`Calibration`, stored under ``confidence`` in the checkpoint's ``config.json``);
 * ``unsure``: true when the confidence is below the stored threshold, and always for a runaway
   output (one token or a few repeated over and over, or the search's length limit reached),
-  an empty answer or a search that found nothing (:func:`assess`).
+  an empty answer, a search that found nothing, and an input whose features lie beyond the
+  calibration's :class:`InputCheck` (the captioner's photos unlike its training photos)
+  (:func:`assess`).
 
 What "right" means is the model's: an exact match of the LaTeX for a formula reader, a caption
 whose CIDEr-D against the image's references reaches a stated level for a captioner (the
@@ -110,7 +112,7 @@ class Calibration:
     right: str = ""       # what counted as a right answer when it was fitted
     fitted_on: str = ""   # the validation data it was fitted on
     n: int = 0            # answers it was fitted on
-    auroc: float | None = None  # how well the confidence separated right from wrong there
+    auroc: float | None = None  # how well the confidence separated right from wrong on those answers
     input: InputCheck | None = None  # inputs unlike the training inputs are unsure (optional)
 
     def __post_init__(self) -> None:

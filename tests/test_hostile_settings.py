@@ -212,3 +212,19 @@ def test_inkml_with_non_finite_coordinates_is_refused(bttr_ckpt, tmp_path, text,
     f = tmp_path / "bad.inkml"
     f.write_text(f'<ink xmlns="http://www.w3.org/2003/InkML"><trace id="0">{text}</trace></ink>')
     one_line_error(tellkit("recognize", f, "--model", bttr_ckpt), "bad coordinates", needle)
+
+
+def test_a_caption_monitor_that_eval_metrics_leaves_out_is_refused_before_training(tmp_path, capsys):
+    from tellkit.cli import main
+    from tellkit.errors import TellkitError
+    from tellkit.tasks.captioning import CaptionEvalConfig
+
+    with pytest.raises(TellkitError, match="eval.monitor 'cider'.*'cider' metric"):
+        CaptionEvalConfig(metrics=["bleu"], monitor="cider")
+    CaptionEvalConfig(metrics=["bleu", "cider"], monitor="cider")  # computed: accepted
+    CaptionEvalConfig(metrics=["bleu"], monitor="loss")
+    out = tmp_path / "run"
+    code = main(["train", "configs/tat/flickr8k_scst.yaml", "eval.metrics=[bleu]", "eval.monitor=cider",
+                 "--out", str(out), "--no-progress"])
+    assert code == 2 and "eval.monitor 'cider'" in capsys.readouterr().err
+    assert not (out / "checkpoints").exists()

@@ -86,6 +86,9 @@ from tellkit.training.evaluation import to_device
 from tellkit.training.self_critical import SelfCritical
 from tellkit.training.task import Task
 
+# the numbers each caption metric of ``eval.metrics`` gives
+METRIC_NAMES = {"bleu": ("bleu1", "bleu2", "bleu3", "bleu4"), "meteor": ("meteor",), "rouge": ("rouge_l",),
+                "cider": ("cider",)}
 NO_OBJECT_DETECTOR = "no object detector ships offline: the objects context of a new image is empty"
 
 
@@ -154,6 +157,15 @@ class CaptionEvalConfig(CaptionGeneration):
     lowercase: bool = False
     monitor: str = "loss"  # the validation metric that selects the best checkpoint
     batch_size: int | None = None  # None: train.batch_size
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # a monitor among the caption metrics must be one that validation computes: checked here,
+        # not after the first epoch of training
+        family = next((f for f, names in METRIC_NAMES.items() if self.monitor in names), None)
+        if family is not None and self.metrics is not None and family not in self.metrics:
+            raise TellkitError(f"eval.monitor '{self.monitor}' is computed by the '{family}' metric, "
+                               f"which eval.metrics ({', '.join(map(str, self.metrics)) or 'none'}) leaves out")
 
 
 def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:

@@ -666,7 +666,8 @@ class Trainer:
         metrics, _ = run_eval(task, self.model, self.val_set, "val", dist, batch_size=self.cfg.batch_size,
                               num_workers=self.cfg.num_workers, amp_dtype=self.amp_dtype,
                               generate=task.monitor != "loss", progress=self.progress)
-        value, key = metrics[task.monitor], task.monitor_key(metrics)
+        key = task.monitor_key(metrics)  # a missing monitor is a one-line error, not a KeyError
+        value = metrics[task.monitor]
         # ties on the monitor go to the tie-breakers; a state saved before them holds only ``best``
         best_key = st.best_key or (None if st.best is None else self.schedule.as_key(st.best))
         better = best_key is None or key > tuple(best_key)

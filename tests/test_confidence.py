@@ -120,7 +120,10 @@ def test_recognition_pipeline_stops_runaway_searches(tiny_reader, monkeypatch):
 
     monkeypatch.setattr(pipe.processor, "generate", spy)
     pipe(image)
-    assert seen and isinstance(seen[0], runaway.RunawayStop)
+    assert seen and isinstance(seen[0], runaway.RunawayStop) and seen[0].best_only
+    with runaway.stopping_runaways(runaway.RunawayStop(floor=-3.0)) as own:  # a caller's own policy stands
+        pipe(image)
+    assert seen[-1] is own
 
 
 # --- a checkpoint without calibration ------------------------------------------------------------------
@@ -329,3 +332,17 @@ def test_calibrate_a_captioner_with_its_typical_photos(tmp_path, capsys):
     assert main(["calibrate", str(PACKAGED_DEFAULTS["recognize"]), "--predictions", str(preds), "--out",
                  str(tmp_path / "r"), "--typical", str(photos)]) == 2
     assert "line 1" in capsys.readouterr().err  # caption rows are not recognition predictions
+
+
+def test_best_only_stops_when_the_best_hypothesis_cycles():
+    """``RunawayStop(best_only=True)``: a search stops once its best live hypothesis repeats or
+    cycles, even while a weaker one does not; the default waits for every live hypothesis."""
+    cycling = torch.tensor([1, 2] * 20)
+    varied = torch.arange(40) % 13
+    tokens = torch.stack([cycling, varied]).view(1, 2, 40)
+    best_cycles, best_varied = torch.tensor([[-1.0, -5.0]]), torch.tensor([[-5.0, -1.0]])
+    assert not bool(runaway.RunawayStop(floor=-1e9).stopped(tokens, best_cycles)[0])
+    assert bool(runaway.RunawayStop(floor=-1e9, best_only=True).stopped(tokens, best_cycles)[0])
+    assert not bool(runaway.RunawayStop(floor=-1e9, best_only=True).stopped(tokens, best_varied)[0])
+    dead = torch.tensor([[-1.0, float("-inf")]])  # a dead slot is never the best
+    assert bool(runaway.RunawayStop(floor=-1e9, best_only=True).stopped(tokens, dead)[0])

@@ -165,9 +165,6 @@ def _sigmoid(z: float) -> float:
     return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
 
 
-_RUNAWAY = RunawayStop()
-
-
 def runaway(tokens: Sequence[Any], max_len: int | None = None) -> bool:
     """Whether an answer ran away: it reached the search's ``max_len``, or its tokens end in a
     long repeat or cycle (the rules of :class:`~tellkit.decoding.runaway.RunawayStop`, which also

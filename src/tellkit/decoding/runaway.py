@@ -41,6 +41,7 @@ class RunawayStop:
     window: int = 32        # the last tokens in which ...
     max_distinct: int = 4   # ... this few different tokens, or
     max_share: float = 0.5  # ... one token this often (a fraction of the window), is a cycle
+    best_only: bool = False  # repeats and cycles: of the best live hypothesis alone (not of every one)
 
     def __post_init__(self):
         if not (math.isfinite(self.floor) and self.floor < 0):
@@ -60,17 +61,24 @@ class RunawayStop:
         if t >= self.after:
             best = scores.masked_fill(~live, float("-inf")).max(1).values
             out |= live.any(1) & (best < self.floor * t)
+        best_row = scores.masked_fill(~live, float("-inf")).argmax(1, keepdim=True)  # [m, 1]
         if t >= self.max_repeat:
             tail = tokens[:, :, -self.max_repeat:]
             same = (tail == tail[:, :, -1:]).all(-1)  # [m, k]
-            out |= live.any(1) & (same | ~live).all(1)
+            out |= live.any(1) & self._all_or_best(same, live, best_row)
         if t >= self.window:
             tail = tokens[:, :, -self.window:].reshape(m * k, -1).long()
             counts = torch.zeros(m * k, int(tail.max()) + 1, device=tail.device).scatter_add_(
                 1, tail, torch.ones_like(tail, dtype=torch.float))
             cycle = ((counts > 0).sum(1) <= self.max_distinct) | (counts.max(1).values >= self.max_share * self.window)
-            out |= live.any(1) & (cycle.view(m, k) | ~live).all(1)
+            out |= live.any(1) & self._all_or_best(cycle.view(m, k), live, best_row)
         return out
+
+    def _all_or_best(self, flag: torch.Tensor, live: torch.Tensor, best_row: torch.Tensor) -> torch.Tensor:
+        """[m, k] -> [m]: every live hypothesis flagged, or (``best_only``) the best live one."""
+        if self.best_only:
+            return flag.gather(1, best_row)[:, 0]
+        return (flag | ~live).all(1)
 
 
 _ACTIVE: contextvars.ContextVar[RunawayStop | None] = contextvars.ContextVar("tellkit_runaway", default=None)

@@ -11,9 +11,9 @@ through the renderer of the training data (:mod:`tellkit.data.inkml`); bitmaps a
 bitmap loader (ink found in either polarity, cropped to the ink, scaled as in training; for a
 model trained on InkML renders, brought to the scale of those renders). The joint search runs
 with the whole stored search setting (``eval:``: beam size, length, alpha, bidirectional,
-rescore), over size-sorted batches. A search whose output runs away (one token or a few repeated
-over and over: a photo given to the formula reader) is stopped early
-(:mod:`tellkit.decoding.runaway`), and every answer says how sure it is (``confidence``,
+rescore), over size-sorted batches. A search is stopped early once its best live hypothesis runs
+away (one token or a few repeated over and over: a photo given to the formula reader;
+:mod:`tellkit.decoding.runaway`), and every answer says how sure it is (``confidence``,
 ``unsure``: :mod:`tellkit.decoding.confidence`); a runaway answer is always unsure.
 
 Also names the project's own sample expression (``assets/samples/bttr_x2_plus_1.{inkml,png}``,
@@ -21,7 +21,7 @@ hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
-from tellkit.decoding.runaway import active, stopping_runaways
+from tellkit.decoding.runaway import RunawayStop, active, stopping_runaways
 from tellkit.pipelines.base import Pipeline
 from tellkit.recipes import ASSETS
 from tellkit.registry import create_model
@@ -45,10 +45,11 @@ class RecognitionPipeline(Pipeline):
     processor_options = ("stroke_size",)
 
     def forward(self, batch, **extra):
-        """The search, with runaway outputs stopped early (unless the caller set its own policy)."""
+        """The search, stopped early once its best live hypothesis has run away
+        (``RunawayStop(best_only=True)``), unless the caller set its own policy (the server's)."""
         if active() is not None:
             return super().forward(batch, **extra)
-        with stopping_runaways():
+        with stopping_runaways(RunawayStop(best_only=True)):
             return super().forward(batch, **extra)
 
     def postprocess(self, outputs, batch, **options):

@@ -346,3 +346,12 @@ def test_best_only_stops_when_the_best_hypothesis_cycles():
     assert not bool(runaway.RunawayStop(floor=-1e9, best_only=True).stopped(tokens, best_varied)[0])
     dead = torch.tensor([[-1.0, float("-inf")]])  # a dead slot is never the best
     assert bool(runaway.RunawayStop(floor=-1e9, best_only=True).stopped(tokens, dead)[0])
+
+
+def test_the_packaged_reader_flags_noise_and_stops_early(capsys, tmp_path):
+    """A picture that is no formula: a short answer, flagged, exit 0 (as the page and API say)."""
+    noise = tmp_path / "noise.png"
+    Image.fromarray((np.random.RandomState(0).rand(120, 160) * 255).astype("uint8")).save(noise)
+    assert main(["recognize", str(noise), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["unsure"] is True and res["confidence"] < 0.05 and len(res["tokens"]) <= 64

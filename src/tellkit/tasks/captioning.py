@@ -158,15 +158,6 @@ class CaptionEvalConfig(CaptionGeneration):
     monitor: str = "loss"  # the validation metric that selects the best checkpoint
     batch_size: int | None = None  # None: train.batch_size
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # a monitor among the caption metrics must be one that validation computes: checked here,
-        # not after the first epoch of training
-        family = next((f for f, names in METRIC_NAMES.items() if self.monitor in names), None)
-        if family is not None and self.metrics is not None and family not in self.metrics:
-            raise TellkitError(f"eval.monitor '{self.monitor}' is computed by the '{family}' metric, "
-                               f"which eval.metrics ({', '.join(map(str, self.metrics)) or 'none'}) leaves out")
-
 
 def model_contexts(model_cfg: Mapping[str, Any]) -> tuple[str, ...]:
     """The contexts a captioner reads: its recipe section's ``contexts``, else its family's
@@ -521,6 +512,15 @@ class CaptioningTask(Task):
         self._processor: CaptionProcessor | None = None
         # what the scores were computed with, beside the numbers (``metrics_<split>.json``)
         self.eval_info: dict[str, Any] = {}
+
+    def check_training(self) -> None:
+        # a monitor among the caption metrics must be one that validation computes: refused before
+        # the run starts, not after its first epoch
+        ev = self.eval
+        family = next((f for f, names in METRIC_NAMES.items() if ev.monitor in names), None)
+        if family is not None and ev.metrics is not None and family not in ev.metrics:
+            raise TellkitError(f"eval.monitor '{ev.monitor}' is computed by the '{family}' metric, "
+                               f"which eval.metrics ({', '.join(map(str, ev.metrics)) or 'none'}) leaves out")
 
     @functools.cached_property
     def tokenizer(self) -> CaptionTokenizer:

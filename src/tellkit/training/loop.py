@@ -391,6 +391,7 @@ class Trainer:
             raise TellkitError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another --out")
         # every section but the model (which config.json holds already) goes to the top level of
         # config.json, so `tellkit evaluate` / `caption` / `serve` rebuild the task from it alone
+        self.task.check_training()  # settings that matter to training only, before anything is written
         reserved = set(RESERVED_CHECKPOINT_KEYS) & set(self.resolved)
         if reserved:
             raise TellkitError(f"recipe sections {sorted(reserved)} clash with checkpoint metadata names")

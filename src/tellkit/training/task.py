@@ -128,6 +128,10 @@ class Task:
     # further (metric, mode) pairs that order evaluations whose monitor ties (ExpRate 0 early on)
     monitor_tiebreak: tuple[tuple[str, str], ...] = ()
 
+    def check_training(self) -> None:
+        """Refuse, with a one-line error, settings that only training cannot work with (called
+        before a run writes anything; evaluation does not call it)."""
+
     def monitor_key(self, metrics: Mapping[str, float]) -> tuple[float, ...]:
         """The monitor, then its tie-breakers, signed so that a larger tuple is better."""
         key = []

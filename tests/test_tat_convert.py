@@ -143,8 +143,8 @@ def test_the_checkpoint_resnet_and_its_running_statistics_become_the_image_encod
     import json
 
     from tellkit.checkpoint import read_checkpoint_config
-    from tellkit.tasks.captioning import CaptionProcessor
     from tellkit.encoders.resnet import BLOCKS, ResNet
+    from tellkit.tasks.captioning import CaptionProcessor
 
     torch.manual_seed(0)
     m = tellkit.create_model("tat/tiny", **TINY, contexts=["image", "article", "faces"]).eval()

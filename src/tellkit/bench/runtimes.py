@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
+
+import torch
+from torch import nn
 
 from tellkit.data.crohme import load_split
 from tellkit.errors import TellkitError
@@ -45,11 +49,6 @@ def int8_dynamic(model):
     (``torch.ao.quantization.quantize_dynamic``). Layers inside modules that read a linear
     layer's ``weight`` themselves (adaptive input and softmax: class names starting with
     ``Adaptive``) stay float32."""
-    import warnings
-
-    import torch
-    from torch import nn
-
     keep = {name for name, m in model.named_modules() if type(m).__name__.startswith("Adaptive")}
     names = {name for name, m in model.named_modules() if type(m) is nn.Linear
              and not any(name == k or name.startswith(k + ".") for k in keep)}

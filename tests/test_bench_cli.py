@@ -23,6 +23,21 @@ def test_recompute_decoder_matches_incremental_decoder():
     assert [h.tokens for h in inc] == [h.tokens for h in full]
 
 
+def test_tat_generation_bench_runs_under_bf16_and_says_so():
+    """The bf16 row is the same incremental generation under autocast, and names its dtype."""
+    from tellkit.bench.tat import generation
+    from tellkit.utils.precision import Precision
+
+    torch.manual_seed(0)
+    m = tellkit.create_model("tat/tiny", vocab_size=99, adaptive_cutoffs=[20, 50]).eval()
+    fp32 = generation(m, 2, 5, "cpu", recompute=False)
+    low = generation(m, 2, 5, "cpu", recompute=False, precision=Precision("cpu", "bfloat16"))
+    assert (fp32["dtype"], low["dtype"]) == ("float32", "bfloat16")
+    # min_len = max_len: every output has the same length; the count includes each EOS
+    assert len(low["outputs"]) == 2 and len({len(o) for o in low["outputs"] + fp32["outputs"]}) == 1
+    assert low["generated_tokens"] == fp32["generated_tokens"] == sum(len(o) + 1 for o in low["outputs"])
+
+
 def test_bench_cli_rejects_unknown_suite(tmp_path):
     res = subprocess.run([sys.executable, "-m", "tellkit", "bench", "no_such_suite", "--out", str(tmp_path)],
                          capture_output=True, text=True)

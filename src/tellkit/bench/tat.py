@@ -13,6 +13,7 @@ import tellkit
 from tellkit.bench import timed
 from tellkit.decoding.search import greedy_search
 from tellkit.models.transform_and_tell import _Incremental
+from tellkit.utils.precision import Precision, resolve
 
 
 def fake_batch(cfg, batch_size: int, caption_len: int = 0, n_image: int = 49, n_article: int = 512,
@@ -58,13 +59,16 @@ class _Recompute:
         self.batch = {k: v.index_select(0, index) for k, v in self.batch.items()}
 
 
-def generation(model, batch_size: int, tokens: int, device: str, recompute: bool) -> dict[str, Any]:
-
+def generation(model, batch_size: int, tokens: int, device: str, recompute: bool,
+               precision: Precision | None = None) -> dict[str, Any]:
+    """Greedy generation of ``tokens`` tokens per sample; ``precision``: an autocast (bf16) to run
+    under (the result then names it)."""
     cfg = model.config
     batch = fake_batch(cfg, batch_size, device=device)
+    precision = precision or Precision(torch.device(device).type, None)
 
     def run():
-        with torch.no_grad():
+        with torch.no_grad(), precision.autocast():
             if recompute:
                 dec = _Recompute(model, batch)
             else:
@@ -77,9 +81,10 @@ def generation(model, batch_size: int, tokens: int, device: str, recompute: bool
     secs, hyps = timed(run, device, repeat=1 if recompute else 3)
     n = sum(len(h.tokens) + 1 for h in hyps)
     out = {"batch_size": batch_size, "generated_tokens": n, "seconds": round(secs, 3),
-           "tokens_per_s": round(n / secs, 2), "mode": "full recomputation" if recompute else "incremental"}
+           "tokens_per_s": round(n / secs, 2), "mode": "full recomputation" if recompute else "incremental",
+           "dtype": precision.name, "outputs": [list(map(int, h.tokens)) for h in hyps]}
     if not recompute:  # how much of it is the once-per-input context encoding (layer mix + K/V)
-        with torch.no_grad():
+        with torch.no_grad(), precision.autocast():
             ctx_secs, _ = timed(lambda: model.project_contexts(model.encode_contexts(batch)), device, repeat=2)
         out["context_encoding_seconds"] = round(ctx_secs, 3)
         out["decoding_tokens_per_s"] = round(n / max(secs - ctx_secs, 1e-9), 2)
@@ -121,6 +126,19 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
         full = generation(model, bs, tokens, device, recompute=True)
         gen[f"batch_{bs}"] = {"incremental": inc, "full_recomputation": full,
                               "speedup": round(inc["tokens_per_s"] / full["tokens_per_s"], 2)}
+        bf16 = resolve(device, "bfloat16")
+        if bf16.dtype is None:
+            gen[f"batch_{bs}"]["bf16"] = {"skipped": bf16.note}
+        else:  # the same incremental generation under bf16 autocast, its outputs against float32's
+            low = generation(model, bs, tokens, device, recompute=False, precision=bf16)
+            same = sum(a == b for a, b in zip(low["outputs"], inc["outputs"]))
+            low.update(speedup_vs_fp32=round(low["tokens_per_s"] / inc["tokens_per_s"], 2),
+                       outputs_equal_to_fp32=f"{same} of {len(inc['outputs'])}")
+            gen[f"batch_{bs}"]["bf16"] = low
+    for row in gen.values():  # the token lists served the comparison; the file keeps the counts
+        for r in row.values():
+            if isinstance(r, dict):
+                r.pop("outputs", None)
     del model
     train = {
         "small": training("tat/small", 8 if quick else 32, 24, 2 if quick else 5, device),

@@ -152,12 +152,17 @@ def _predictions(path, n=80, seed=1):
     return rows
 
 
+def _calibrated(path, tmp_path, preds_name, out_name):
+    """``tellkit calibrate`` of the checkpoint at ``path`` on written predictions -> (predictions, copy)."""
+    preds, out = tmp_path / preds_name, tmp_path / out_name
+    _predictions(preds)
+    assert main(["calibrate", str(path), "--predictions", str(preds), "--out", str(out)]) == 0
+    return preds, out
+
+
 def test_calibrate_writes_a_copy_that_loads_and_round_trips(tiny_reader, tmp_path, capsys):
     path, image = tiny_reader
-    preds = tmp_path / "predictions_val.jsonl"
-    _predictions(preds)
-    out = tmp_path / "calibrated"
-    assert main(["calibrate", str(path), "--predictions", str(preds), "--out", str(out)]) == 0
+    preds, out = _calibrated(path, tmp_path, "predictions_val.jsonl", "calibrated")
     printed = json.loads(capsys.readouterr().out)
     cal = C.from_meta(read_checkpoint_config(out))
     assert cal == C.Calibration.from_dict(printed) == C.Calibration.from_dict(json.loads(json.dumps(cal.to_dict())))
@@ -195,10 +200,7 @@ def test_the_packaged_models_carry_their_calibration():
 # --- every interface ------------------------------------------------------------------------------------
 def test_command_line_json_and_plain_output(tiny_reader, tmp_path, capsys):
     path, image = tiny_reader
-    preds = tmp_path / "p.jsonl"
-    _predictions(preds)
-    out = tmp_path / "cal"
-    assert main(["calibrate", str(path), "--predictions", str(preds), "--out", str(out)]) == 0
+    _, out = _calibrated(path, tmp_path, "p.jsonl", "cal")
     capsys.readouterr()
     assert main(["recognize", image, "--model", str(out), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tellkit.layers import rows
+
 
 def _bands(vocab_size: int, cutoffs: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
     edges = [0, *cutoffs, vocab_size]
@@ -62,7 +64,10 @@ class AdaptiveInput(nn.Module):
         for (lo, hi), emb, proj in zip(self.bands, self.embeddings, self.projections):
             sel = (tokens >= lo) & (tokens < hi)
             if sel.any():
-                out[sel] = proj(emb(tokens[sel] - lo)).to(out.dtype)  # float32 under autocast too
+                e = emb(tokens[sel] - lo)
+                # the packed product only where asked for (rows.prepacked): other callers keep proj(e)
+                y = rows.linear(proj, e) if rows.prepacking() else proj(e)
+                out[sel] = y.to(out.dtype)  # float32 under autocast too
         return out
 
 
@@ -111,13 +116,13 @@ class AdaptiveSoftmax(nn.Module):
 
     def _tail_hidden(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self.tie_proj:
-            h = F.linear(x, self._tied[0].projections[i].weight.t())
+            h = rows.dense(x, self._tied[0].projections[i].weight.t())
         else:
-            h = self.tail_proj[i - 1](x)
+            h = rows.linear(self.tail_proj[i - 1], x)
         return F.dropout(h, p=self.dropout, training=self.training)
 
     def _head_logprobs(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.cat([F.linear(x, self._head_weight()), self.class_proj(x)], dim=-1)
+        logits = torch.cat([rows.dense(x, self._head_weight()), rows.linear(self.class_proj, x)], dim=-1)
         return torch.log_softmax(logits.float(), dim=-1)
 
     # -- public API ------------------------------------------------------------------------
@@ -128,7 +133,7 @@ class AdaptiveSoftmax(nn.Module):
         head = self._head_logprobs(x)
         parts = [head[:, : self.head_size]]
         for i in range(1, len(self.bands)):
-            tail = torch.log_softmax(F.linear(self._tail_hidden(x, i), self._tail_out_weight(i)).float(), dim=-1)
+            tail = torch.log_softmax(rows.dense(self._tail_hidden(x, i), self._tail_out_weight(i)).float(), dim=-1)
             parts.append(tail + head[:, self.head_size + i - 1: self.head_size + i])
         return torch.cat(parts, dim=-1).view(*shape, self.vocab_size)
 
@@ -147,12 +152,12 @@ class AdaptiveSoftmax(nn.Module):
         in_head = target < self.head_size
         out[in_head] = head[in_head].gather(1, target[in_head, None]).squeeze(1)
         for i, (lo, hi) in enumerate(self.bands[1:], start=1):
-            rows = ((target >= lo) & (target < hi)).nonzero(as_tuple=True)[0]
-            if rows.numel() == 0:
+            sel = ((target >= lo) & (target < hi)).nonzero(as_tuple=True)[0]
+            if sel.numel() == 0:
                 continue
-            tail = torch.log_softmax(F.linear(self._tail_hidden(x[rows], i), self._tail_out_weight(i)).float(), dim=-1)
-            word = tail.gather(1, (target[rows] - lo)[:, None]).squeeze(1)
+            tail = torch.log_softmax(rows.dense(self._tail_hidden(x[sel], i), self._tail_out_weight(i)).float(), dim=-1)
+            word = tail.gather(1, (target[sel] - lo)[:, None]).squeeze(1)
             if ignore_in_cluster is not None:
-                word = word.masked_fill(target[rows] - lo == ignore_in_cluster, 0.0)
-            out[rows] = head[rows, self.head_size + i - 1] + word
+                word = word.masked_fill(target[sel] - lo == ignore_in_cluster, 0.0)
+            out[sel] = head[sel, self.head_size + i - 1] + word
         return out

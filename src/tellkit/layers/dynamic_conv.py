@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tellkit.layers import rows
 from tellkit.layers.linear import GehringLinear
 
 
@@ -41,7 +42,7 @@ class DynamicConv1d(nn.Module):
     def kernels(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, C] -> normalised, dropped-out kernels [B, T, H, K]."""
         B, T, _ = x.shape
-        w = self.weight_linear(x).view(B, T, self.num_heads, self.kernel_size)
+        w = rows.linear(self.weight_linear, x).view(B, T, self.num_heads, self.kernel_size)
         if self.weight_softmax:
             w = torch.softmax(w.float(), dim=-1).to(x.dtype)
         return F.dropout(w, p=self.weight_dropout, training=self.training)
@@ -94,7 +95,7 @@ class DynamicConvLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> torch.Tensor:
         x = F.dropout(x, p=self.input_dropout, training=self.training)
-        x = self.linear1(x)
+        x = rows.linear(self.linear1, x)
         if self.glu:
             x = F.glu(x, dim=-1)
-        return self.linear2(self.conv(x, state))
+        return rows.linear(self.linear2, self.conv(x, state))

@@ -22,14 +22,19 @@ and moving the module (``to``, ``half``) drop it; nothing of it is saved (``stat
 only ``weight_g`` / ``weight_v``). Writes through ``param.data``, which PyTorch hides from the
 version counter on purpose, are the one path it cannot see: update parameters in place through
 the parameter itself (as ``torch.optim`` does), or call ``clear_folded()``.
+
+The product is :func:`tellkit.layers.rows.dense` on the applied weight: ``F.linear``, on rows
+padded to a few counts where it is bfloat16 on a CPU, and inside ``rows.prepacked()`` (float32,
+CPU, autograd off) on a oneDNN-packed copy of the weight, made once per fold.
 """
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from tellkit.layers import rows
 
 
 class GehringLinear(nn.Module):
@@ -106,7 +111,7 @@ class GehringLinear(nn.Module):
             # autocast would cast the folded weight (not a parameter, so not in its cache) at every
             # call: keep its 16-bit copy with the fold
             w = self._low_precision(w, torch.get_autocast_dtype(kind))
-        return F.linear(x, w, self.bias)
+        return rows.dense(x, w, self.bias)
 
     def _low_precision(self, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         low = self.__dict__.setdefault("_folded_low", {})

@@ -37,6 +37,7 @@ from tellkit.checkpoint import PretrainedMixin
 from tellkit.decoding.search import run_sample, run_search
 from tellkit.decoding.state import RowContext, reorder_state
 from tellkit.errors import TellkitError
+from tellkit.layers import rows
 from tellkit.layers.adaptive import AdaptiveInput, AdaptiveSoftmax
 from tellkit.layers.attention import MultiheadAttention, ProjectedKV
 from tellkit.layers.dynamic_conv import DynamicConvLayer
@@ -168,10 +169,10 @@ class DecoderBlock(nn.Module):
             y, w = attn.attend(x, kvs[name], need_weights=need_weights)
             outs.append(self.context_norm[name](x + F.dropout(y, self.dropout, self.training)))
             weights[name] = w
-        x = self.context_proj(torch.cat(outs, dim=-1))
+        x = rows.linear(self.context_proj, torch.cat(outs, dim=-1))
         residual = x
-        y = F.dropout(F.relu(self.fc1(x)), self.relu_dropout, self.training)
-        x = self.final_norm(residual + F.dropout(self.fc2(y), self.dropout, self.training))
+        y = F.dropout(F.relu(rows.linear(self.fc1, x)), self.relu_dropout, self.training)
+        x = self.final_norm(residual + F.dropout(rows.linear(self.fc2, y), self.dropout, self.training))
         return x, weights
 
 
@@ -189,7 +190,7 @@ class CopyHead(nn.Module):
 
     def forward(self, h: torch.Tensor, kv: ProjectedKV, copyable: torch.Tensor):
         ctx, w = self.attn.attend(h, kv, need_weights=True)  # w: [B, T, L]
-        gate = torch.sigmoid(self.gate(torch.cat([h, ctx], dim=-1)).squeeze(-1).float())
+        gate = torch.sigmoid(rows.linear(self.gate, torch.cat([h, ctx], dim=-1)).squeeze(-1).float())
         gate = torch.where(copyable.any(dim=1)[:, None], gate, torch.ones_like(gate))  # nothing to copy
         return gate, w.float()
 
@@ -337,10 +338,21 @@ class TransformAndTell(nn.Module, PretrainedMixin):
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], max_len: int | None = None, beam_size: int = 1,
                  length_penalty: float = 1.0, min_len: int = 1, no_repeat_ngram_size: int = 0,
-                 return_attention: bool = False, n_best: int = 1) -> dict[str, Any]:
+                 return_attention: bool = False, n_best: int = 1, prepack: bool = True) -> dict[str, Any]:
         """Greedy (``beam_size=1``, the reference's choice) or beam search, batched, with
         incremental state. Returns ``tokens`` (caption ids, no BOS/EOS), ``scores``, and with
-        ``return_attention`` per-token attention over each context (mean over heads, layers)."""
+        ``return_attention`` per-token attention over each context (mean over heads, layers).
+
+        ``prepack``: float32 products on a CPU use oneDNN-packed copies of the weights
+        (:func:`tellkit.layers.rows.prepacked`: faster, equal to float32 rounding; the copies take
+        as much memory as the float32 weights and stay while the weights do). ``False``: the plain
+        ``F.linear`` products."""
+        with rows.prepacked(prepack):
+            return self._generate(batch, max_len, beam_size, length_penalty, min_len, no_repeat_ngram_size,
+                                  return_attention, n_best)
+
+    def _generate(self, batch, max_len, beam_size, length_penalty, min_len, no_repeat_ngram_size,
+                  return_attention, n_best) -> dict[str, Any]:
         cfg = self.config
         max_len = max_len or cfg.max_len
         ctx = self.encode_contexts(batch)
@@ -349,8 +361,8 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         ctx = self.project_contexts(ctx)
         common = dict(bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id, max_len=max_len, min_len=min_len,
                       no_repeat_ngram_size=no_repeat_ngram_size, device=device)
-        out = run_search(lambda rows: _Incremental(self, ctx) if rows is None else
-                         _Incremental(self, ctx.index_select(rows), rows),
+        out = run_search(lambda sel: _Incremental(self, ctx) if sel is None else
+                         _Incremental(self, ctx.index_select(sel), sel),
                          B, beam_size=beam_size, length_penalty=length_penalty, n_best=n_best, **common)
         if return_attention:
             out["attention"] = self._attention_for(ctx, out["tokens"])
@@ -358,15 +370,21 @@ class TransformAndTell(nn.Module, PretrainedMixin):
 
     @torch.no_grad()
     def sample(self, batch: dict[str, Any], num_samples: int = 1, max_len: int | None = None, min_len: int = 1,
-               temperature: float = 1.0, generator: torch.Generator | None = None) -> dict[str, Any]:
+               temperature: float = 1.0, generator: torch.Generator | None = None,
+               prepack: bool = True) -> dict[str, Any]:
         """``num_samples`` captions drawn from the model for each input (rows of input b are
-        consecutive): ``tokens`` (no BOS/EOS) and ``log_probs`` (their summed log-probabilities)."""
+        consecutive): ``tokens`` (no BOS/EOS) and ``log_probs`` (their summed log-probabilities).
+        ``prepack``: as for :meth:`generate`."""
+        with rows.prepacked(prepack):
+            return self._sample(batch, num_samples, max_len, min_len, temperature, generator)
+
+    def _sample(self, batch, num_samples, max_len, min_len, temperature, generator) -> dict[str, Any]:
         cfg = self.config
         ctx = self.encode_contexts(batch)
         B = next(iter(ctx.feats.values()))[0].size(0)
         device = next(iter(ctx.feats.values()))[0].device
         ctx = self.project_contexts(ctx)
-        return run_sample(lambda rows: _Incremental(self, ctx.index_select(rows), rows), B, num_samples,
+        return run_sample(lambda sel: _Incremental(self, ctx.index_select(sel), sel), B, num_samples,
                           bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id, max_len=max_len or cfg.max_len,
                           min_len=min_len, temperature=temperature, generator=generator, device=device)
 

@@ -12,6 +12,7 @@ import torch
 import tellkit
 from tellkit.bench import timed
 from tellkit.decoding.search import greedy_search
+from tellkit.layers import rows
 from tellkit.models.transform_and_tell import _Incremental
 from tellkit.utils.precision import Precision, resolve
 
@@ -60,15 +61,16 @@ class _Recompute:
 
 
 def generation(model, batch_size: int, tokens: int, device: str, recompute: bool,
-               precision: Precision | None = None) -> dict[str, Any]:
+               precision: Precision | None = None, prepack: bool = True) -> dict[str, Any]:
     """Greedy generation of ``tokens`` tokens per sample; ``precision``: an autocast (bf16) to run
-    under (the result then names it)."""
+    under (the result then names it); ``prepack``: float32 products on oneDNN-packed weights
+    (:func:`tellkit.layers.rows.prepacked`, as ``TransformAndTell.generate`` runs on a CPU)."""
     cfg = model.config
     batch = fake_batch(cfg, batch_size, device=device)
     precision = precision or Precision(torch.device(device).type, None)
 
     def run():
-        with torch.no_grad(), precision.autocast():
+        with torch.no_grad(), precision.autocast(), rows.prepacked(prepack):
             if recompute:
                 dec = _Recompute(model, batch)
             else:
@@ -83,12 +85,80 @@ def generation(model, batch_size: int, tokens: int, device: str, recompute: bool
     out = {"batch_size": batch_size, "generated_tokens": n, "seconds": round(secs, 3),
            "tokens_per_s": round(n / secs, 2), "mode": "full recomputation" if recompute else "incremental",
            "dtype": precision.name, "outputs": [list(map(int, h.tokens)) for h in hyps]}
+    if precision.dtype is None:
+        out["prepacked_weights"] = prepack and torch.device(device).type == "cpu"
     if not recompute:  # how much of it is the once-per-input context encoding (layer mix + K/V)
-        with torch.no_grad(), precision.autocast():
+        with torch.no_grad(), precision.autocast(), rows.prepacked(prepack):
             ctx_secs, _ = timed(lambda: model.project_contexts(model.encode_contexts(batch)), device, repeat=2)
         out["context_encoding_seconds"] = round(ctx_secs, 3)
         out["decoding_tokens_per_s"] = round(n / max(secs - ctx_secs, 1e-9), 2)
     return out
+
+
+def generation_flops(model, batch_size: int, tokens: int, device: str) -> dict[str, float]:
+    """GFLOP of one incremental float32 generation as :func:`generation` runs it, counted by
+    ``torch.utils.flop_counter.FlopCounterMode`` (matrix products and attention, not element-wise
+    work): the whole run and the context encoding; the decoding steps are the difference. It
+    counts the plain products: the counter does not know the packed oneDNN call, which does the
+    same multiply-adds."""
+    from torch.utils.flop_counter import FlopCounterMode  # heavy: loaded only to count
+
+    cfg = model.config
+    batch = fake_batch(cfg, batch_size, device=device)
+    with torch.no_grad(), rows.prepacked(False):
+        with FlopCounterMode(display=False) as whole:
+            dec = _Incremental(model, model.project_contexts(model.encode_contexts(batch)))
+            greedy_search(dec, batch_size, bos_id=cfg.bos_id, eos_id=cfg.eos_id, pad_id=cfg.pad_id,
+                          max_len=tokens, min_len=tokens, device=device)
+        with FlopCounterMode(display=False) as ctx:
+            model.project_contexts(model.encode_contexts(batch))
+    total, context = whole.get_total_flops() / 1e9, ctx.get_total_flops() / 1e9
+    return {"whole_run_gflop": round(total, 3), "context_encoding_gflop": round(context, 3),
+            "decoding_gflop": round(total - context, 3)}
+
+
+def fp32_peak_gflops(size: int = 2048, repeat: int = 3) -> dict[str, Any]:
+    """Float32 GFLOP/s of one ``size`` x ``size`` matrix product at this thread count, through
+    ``torch.mm`` and through a oneDNN pre-packed weight (best of ``repeat`` each); ``peak`` is
+    the better of the two."""
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
+    flop = 2 * size**3
+    with torch.no_grad():
+        torch.mm(a, w)  # warm-up
+        mm_secs, _ = timed(lambda: torch.mm(a, w), repeat=repeat)
+        out = {"size": size, "torch_threads": torch.get_num_threads(), "torch_mm": round(flop / mm_secs / 1e9, 1)}
+        if torch.backends.mkldnn.is_available():
+            with rows.prepacked():
+                rows.dense(a, w)  # packs the weight
+                pk_secs, _ = timed(lambda: rows.dense(a, w), repeat=repeat)
+            out["onednn_prepacked"] = round(flop / pk_secs / 1e9, 1)
+    out["peak"] = max(out["torch_mm"], out.get("onednn_prepacked", 0.0))
+    return out
+
+
+def _bound(row: dict[str, Any], flops: dict[str, float], peak: float) -> None:
+    """Add the FLOPs and the fractions of the float32 FLOP bound to an incremental float32 row:
+    the tokens/s reached over those ``peak`` GFLOP/s would give, i.e. GFLOP/s reached / ``peak``."""
+    secs, ctx_secs = row["seconds"], row["context_encoding_seconds"]
+    row["gflop"] = flops
+    row["gflops_per_s"] = round(flops["whole_run_gflop"] / secs, 1)
+    row["decoding_gflops_per_s"] = round(flops["decoding_gflop"] / max(secs - ctx_secs, 1e-9), 1)
+    row["fraction_of_fp32_flop_bound"] = round(flops["whole_run_gflop"] / secs / peak, 3)
+    row["decoding_fraction_of_fp32_flop_bound"] = round(flops["decoding_gflop"] / max(secs - ctx_secs, 1e-9) / peak, 3)
+
+
+def _paired(model, bs: int, tokens: int, device: str, rounds: int) -> tuple[dict, dict]:
+    """The incremental float32 generation on packed and on plain weights, alternated for
+    ``rounds`` rounds (each run a best of 3), the fastest of each kept: other work on the same
+    cores then slows both alike."""
+    best: dict[bool, dict] = {}
+    for _ in range(rounds):
+        for prepack in (True, False):
+            r = generation(model, bs, tokens, device, recompute=False, prepack=prepack)
+            if prepack not in best or r["seconds"] < best[prepack]["seconds"]:
+                best[prepack] = r
+    return best[True], best[False]
 
 
 def training(config: str, batch_size: int, caption_len: int, steps: int, device: str) -> dict[str, Any]:
@@ -120,12 +190,23 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     torch.manual_seed(0)
     model = tellkit.create_model(paper).to(device).eval()
     tokens = 8 if quick else 16
+    cpu = torch.device(device).type == "cpu"
+    peak = fp32_peak_gflops(repeat=2 if quick else 3) if cpu else None
     gen = {}
     for bs in ((1, 4) if quick else (1, 32)):
-        inc = generation(model, bs, tokens, device, recompute=False)
+        inc, plain = _paired(model, bs, tokens, device, rounds=1 if quick else 2)
         full = generation(model, bs, tokens, device, recompute=True)
-        gen[f"batch_{bs}"] = {"incremental": inc, "full_recomputation": full,
-                              "speedup": round(inc["tokens_per_s"] / full["tokens_per_s"], 2)}
+        if cpu:
+            flops = generation_flops(model, bs, tokens, device)
+            for row in (inc, plain):
+                _bound(row, flops, peak["peak"])
+        same = sum(a == b for a, b in zip(inc["outputs"], plain["outputs"]))
+        gen[f"batch_{bs}"] = {
+            "incremental": inc, "incremental_plain_weights": plain,
+            "prepacked_speedup": round(inc["tokens_per_s"] / plain["tokens_per_s"], 2),
+            "prepacked_decoding_speedup": round(inc["decoding_tokens_per_s"] / plain["decoding_tokens_per_s"], 2),
+            "outputs_equal_prepacked_vs_plain": f"{same} of {len(inc['outputs'])}",
+            "full_recomputation": full, "speedup": round(inc["tokens_per_s"] / full["tokens_per_s"], 2)}
         bf16 = resolve(device, "bfloat16")
         if bf16.dtype is None:
             gen[f"batch_{bs}"]["bf16"] = {"skipped": bf16.note}
@@ -140,9 +221,11 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
             if isinstance(r, dict):
                 r.pop("outputs", None)
     del model
+    rows.clear_prepacked()  # the packed copies of the paper-size weights (as much memory as the weights)
     train = {
         "small": training("tat/small", 8 if quick else 32, 24, 2 if quick else 5, device),
         "paper": training(paper, 2 if quick else 4, 24, 1 if quick else 3, device),
     }
-    return {"model": paper, "generation_greedy": gen, "generated_tokens_per_sample": tokens,
-            "context_sizes": {"image": 49, "article_tokens": 512, "faces": 4}, "training": train}
+    return {"model": paper, "fp32_peak_gflops": peak, "generation_greedy": gen,
+            "generated_tokens_per_sample": tokens, "context_sizes": {"image": 49, "article_tokens": 512, "faces": 4},
+            "training": train}

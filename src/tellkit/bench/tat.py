@@ -2,7 +2,18 @@
 recomputation at every step (the cost without cached conv histories and context keys/values),
 at batch 1 and 32 for the paper-size decoder, and training tokens/s for the small and
 paper-size configs. Weights are random (speed does not depend on them); contexts have the
-paper's sizes (49 image regions, 512 article tokens x all encoder layers, 4 faces)."""
+paper's sizes (49 image regions, 512 article tokens x all encoder layers, 4 faces).
+
+The incremental float32 generation runs twice, alternated over two rounds and the fastest of each
+kept: on oneDNN-packed weights (``incremental``, what ``TransformAndTell.generate`` does on a CPU)
+and on the plain ``F.linear`` products (``incremental_plain_weights``), with the speed-up and
+how many outputs the two share. Each of these rows also has its FLOPs (counted once, untimed,
+by ``torch.utils.flop_counter.FlopCounterMode``: the whole run, the context encoding and the
+decoding steps) and the fraction of the float32 FLOP bound it reaches: GFLOP/s reached over
+``fp32_peak_gflops.peak``, the better of a 2048 x 2048 float32 product through ``torch.mm`` and
+through a packed oneDNN weight at the bench's thread count (equivalently, tokens/s reached over
+the tokens/s that peak would give for those FLOPs). Element-wise work is not counted, so the
+bound is optimistic. A bf16 autocast row sits beside each, its outputs compared with float32's."""
 from __future__ import annotations
 
 from typing import Any

@@ -19,7 +19,8 @@ blocked layout its kernels read; on one thread a decoder's linear layers then ru
 autograd off and no autocast uses such a packed copy of its weight, made at the first call and
 kept for the weight tensor while it lives, its storage and version unchanged (an in-place update
 through the tensor, as optimisers and ``load_state_dict`` do, makes the next call pack it again;
-writes through ``.data`` are not seen: call :func:`clear_prepacked`). Above 16 rows, rows are
+writes through ``.data`` are not seen: call :func:`clear_prepacked`). A product of one row (a
+matrix-vector product, bound by reading the weight) stays with ``F.linear``. Above 16 rows, rows are
 padded to :func:`bucket` counts there too, since oneDNN builds a kernel per row count (padding
 fewer rows to 16 would multiply a one-row product's work by 16). The packed copy
 takes as much memory as the float32 weight it packs, for as long as that weight is alive or
@@ -99,8 +100,10 @@ def _packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
         return False
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.dim() != 1):
         return False
-    if not x.numel() or not weight.numel() or x.shape[-1] != weight.shape[1]:
-        return False  # empty products and shape errors: F.linear's own result or message
+    if x.numel() < 2 * x.shape[-1] or not weight.numel() or x.shape[-1] != weight.shape[1]:
+        # one row is a matrix-vector product, as fast or faster through F.linear; empty products
+        # and shape errors: F.linear's own result or message
+        return False
     if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
         return False
     return not (torch.jit.is_tracing() or torch.compiler.is_compiling())

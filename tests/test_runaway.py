@@ -63,3 +63,33 @@ def test_a_cycle_of_few_tokens_is_a_runaway_but_crohme_like_text_is_not():
     tokens = torch.stack([torch.stack([cycle]), torch.stack([few]), torch.stack([text])])
     assert stop.stopped(tokens, torch.full((3, 1), -1.0)).tolist() == [True, True, False]
     assert not stop.stopped(tokens[:, :, :7], torch.full((3, 1), -1.0)).any()  # shorter than the window
+
+
+def test_groups_nested_deeper_than_the_limit_are_a_runaway_in_either_direction():
+    """``max_depth``: open groups counted along each hypothesis (``{`` = 1, ``}`` = 2 here); a
+    right-to-left hypothesis meets its closers first. Off without openers/closers."""
+    stop = RunawayStop(floor=-100.0, after=1, max_repeat=100, window=100, max_depth=3, openers=(1,), closers=(2,))
+    deep = torch.tensor([5, 1, 6, 1, 7, 1, 8, 1, 9, 2])      # 4 open at once
+    r2l = torch.tensor([5, 2, 6, 2, 7, 2, 8, 2, 9, 1])       # the same read backwards
+    flat = torch.tensor([1, 5, 2, 1, 6, 2, 1, 1, 2, 2])      # never more than 2 open
+    tokens = torch.stack([torch.stack([deep]), torch.stack([r2l]), torch.stack([flat])])
+    assert stop.stopped(tokens, torch.full((3, 1), -1.0)).tolist() == [True, True, False]
+    best_only = RunawayStop(floor=-100.0, max_depth=3, openers=(1,), closers=(2,), best_only=True)
+    pair = torch.stack([deep, flat]).view(1, 2, -1)
+    assert best_only.stopped(pair, torch.tensor([[-1.0, -2.0]])).tolist() == [True]
+    assert best_only.stopped(pair, torch.tensor([[-2.0, -1.0]])).tolist() == [False]
+    with pytest.raises(ValueError):
+        RunawayStop(max_depth=3)
+
+
+def test_the_latex_policy_reads_the_vocabulary_and_flags_deep_answers():
+    from tellkit.data.latex import Vocab
+    from tellkit.decoding.confidence import runaway
+    from tellkit.decoding.runaway import LATEX_MAX_DEPTH, latex_policy
+
+    vocab = Vocab()
+    policy = latex_policy(vocab.stoi, best_only=True)
+    assert {vocab.itos[i] for i in policy.openers} == {"{", "[", "("} and policy.best_only
+    deep = ["\\sqrt", "{", "x"] * (LATEX_MAX_DEPTH + 1)
+    assert runaway(deep) and not runaway([t for c in "abcdefghij" for t in ("\\sqrt", "{", c, "}", "+")])
+    assert not runaway(["\\frac", "{", "\\sqrt", "{", "(", "a", "+", "b", ")", "}", "}", "{", "2", "}"])

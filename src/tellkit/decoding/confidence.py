@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tellkit.decoding.runaway import RunawayStop
+from tellkit.decoding.runaway import LATEX_CLOSERS, LATEX_OPENERS, latex_policy
 from tellkit.errors import TellkitError
 
 FEATURES = ("score", "log_length")  # what the logistic curve reads
@@ -166,18 +166,18 @@ def _sigmoid(z: float) -> float:
 
 
 def runaway(tokens: Sequence[Any], max_len: int | None = None) -> bool:
-    """Whether an answer ran away: it reached the search's ``max_len``, or its tokens end in a
-    long repeat or cycle (the rules of :class:`~tellkit.decoding.runaway.RunawayStop`, which also
-    stops such searches early)."""
+    """Whether an answer ran away: it reached the search's ``max_len``, its tokens end in a
+    long repeat or cycle, or it nests LaTeX groups deeper than any training expression (the rules
+    of :class:`~tellkit.decoding.runaway.RunawayStop`, which also stops such searches early)."""
     n = len(tokens)
     if max_len is not None and n >= int(max_len):
         return True
     if n < 2:
         return False
-    ids: dict[Any, int] = {}
+    ids: dict[Any, int] = {t: i for i, t in enumerate(LATEX_OPENERS + LATEX_CLOSERS)}  # both kinds always known
     t = torch.tensor([ids.setdefault(x, len(ids)) for x in tokens], dtype=torch.long).view(1, 1, n)
-    # the repeat and cycle rules only: the score floor is the calibration's business
-    return bool(RunawayStop(floor=-1e9).stopped(t, torch.zeros(1, 1))[0])
+    # the repeat, cycle and depth rules only: the score floor is the calibration's business
+    return bool(latex_policy(ids, floor=-1e9).stopped(t, torch.zeros(1, 1))[0])
 
 
 def assess(calibration: Calibration | None, score: float | None, tokens: Sequence[Any],

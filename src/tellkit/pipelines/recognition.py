@@ -12,16 +12,17 @@ bitmap loader (ink found in either polarity, cropped to the ink, scaled as in tr
 model trained on InkML renders, brought to the scale of those renders). The joint search runs
 with the whole stored search setting (``eval:``: beam size, length, alpha, bidirectional,
 rescore), over size-sorted batches. A search is stopped early once its best live hypothesis runs
-away (one token or a few repeated over and over: a photo given to the formula reader;
-:mod:`tellkit.decoding.runaway`), and every answer says how sure it is (``confidence``,
-``unsure``: :mod:`tellkit.decoding.confidence`); a runaway answer is always unsure.
+away (one token or a few repeated over and over, or groups nested deeper than any training
+expression: a photo given to the formula reader; :mod:`tellkit.decoding.runaway`), and every
+answer says how sure it is (``confidence``, ``unsure``: :mod:`tellkit.decoding.confidence`); a
+runaway answer is always unsure.
 
 Also names the project's own sample expression (``assets/samples/bttr_x2_plus_1.{inkml,png}``,
 hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
-from tellkit.decoding.runaway import RunawayStop, active, stopping_runaways
+from tellkit.decoding.runaway import RunawayStop, active, latex_policy, stopping_runaways
 from tellkit.pipelines.base import Pipeline
 from tellkit.recipes import ASSETS
 from tellkit.registry import create_model
@@ -46,11 +47,16 @@ class RecognitionPipeline(Pipeline):
 
     def forward(self, batch, **extra):
         """The search, stopped early once its best live hypothesis has run away
-        (``RunawayStop(best_only=True)``), unless the caller set its own policy (the server's)."""
+        (:meth:`runaway_policy`), unless the caller set its own policy (the server's)."""
         if active() is not None:
             return super().forward(batch, **extra)
-        with stopping_runaways(RunawayStop(best_only=True)):
+        with stopping_runaways(self.runaway_policy()):
             return super().forward(batch, **extra)
+
+    def runaway_policy(self) -> RunawayStop:
+        """Repeats, cycles and LaTeX groups nested deeper than any training expression
+        (:func:`~tellkit.decoding.runaway.latex_policy`), judged on the best live hypothesis."""
+        return latex_policy(self.processor.vocab.stoi, best_only=True)
 
     def postprocess(self, outputs, batch, **options):
         return self.processor.decode(outputs, batch, max_len=self.generation.max_len, **options)

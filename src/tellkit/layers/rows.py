@@ -13,8 +13,9 @@ are dropped from the result: the values are those of the plain call.
 
 float32, pre-packed (opt-in). A float32 product goes through ``F.linear`` (MKL), which reads the
 weight in its stored layout at every call. oneDNN can instead reorder the weight once into the
-blocked layout its kernels read; on one thread a decoder's linear layers then run about
-1.3-2.5 times as fast at a few dozen rows. Inside ``with prepacked():`` every product of
+blocked layout its kernels read; on one thread, products of 4 to 16 rows with Transform and
+Tell's weight shapes (1024 x 1024 up to 30,265 x 1024) then ran 1.6 to 3 times as fast.
+Inside ``with prepacked():`` every product of
 :func:`dense` / :func:`linear` that is float32 (input, weight and bias), on the CPU, with
 autograd off and no autocast uses such a packed copy of its weight, made at the first call and
 kept for the weight tensor while it lives, its storage and version unchanged (an in-place update

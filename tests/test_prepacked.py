@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this PyTorch build has no oneDNN (mkldnn): nothing is packed")
 
 
-def _entry(w):
-    return rows._packs.get(id(w))
+def _entry(w, dtype=torch.float32):
+    return rows._packs.get((id(w), dtype))
 
 
 @pytest.mark.parametrize("n", [1, 7, 33])
@@ -67,16 +67,18 @@ def test_grad_enabled_falls_back_and_backward_works():
     torch.testing.assert_close(y, F.linear(x, w), rtol=0, atol=0)
 
 
-def test_bf16_autocast_and_other_dtypes_fall_back():
-    w, x = torch.randn(6, 10), torch.randn(4, 10)
+def test_bf16_autocast_packs_a_bfloat16_copy_and_other_dtypes_fall_back():
+    w, b, x = torch.randn(6, 10), torch.randn(6), torch.randn(4, 10)
     with torch.no_grad(), rows.prepacked():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = rows.dense(x, w)
+            y = rows.dense(x, w, b)
+            ref = F.linear(x, w, b)
         z = rows.dense(x.double(), w.double())
-    assert y.dtype == torch.bfloat16 and z.dtype == torch.float64
-    assert _entry(w) is None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(y, F.linear(x, w))
+    assert y.dtype == ref.dtype == torch.bfloat16 and z.dtype == torch.float64
+    assert _entry(w, torch.bfloat16) is not None and _entry(w) is None  # float32 products not packed
+    torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    with torch.autocast("cpu", dtype=torch.float16), torch.no_grad(), rows.prepacked():
+        assert rows.dense(x, w).dtype == torch.float16  # another autocast dtype: the plain call
 
 
 def test_off_unless_asked_for_and_switchable_inside():
@@ -94,7 +96,7 @@ def test_the_cache_does_not_keep_a_dead_weight_alive():
     w = torch.randn(8, 8)
     with torch.no_grad(), rows.prepacked():
         rows.dense(torch.randn(3, 8), w)
-    key, ref = id(w), weakref.ref(w)
+    key, ref = (id(w), torch.float32), weakref.ref(w)
     assert key in rows._packs
     del w
     gc.collect()

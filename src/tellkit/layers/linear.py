@@ -24,8 +24,8 @@ version counter on purpose, are the one path it cannot see: update parameters in
 the parameter itself (as ``torch.optim`` does), or call ``clear_folded()``.
 
 The product is :func:`tellkit.layers.rows.dense` on the applied weight: ``F.linear``, on rows
-padded to a few counts where it is bfloat16 on a CPU, and inside ``rows.prepacked()`` (float32,
-CPU, autograd off) on a oneDNN-packed copy of the weight, made once per fold.
+padded to a few counts where it is bfloat16 on a CPU, and inside ``rows.prepacked()`` (float32 or
+bfloat16 autocast, CPU, autograd off) on a oneDNN-packed copy of the weight, made once per fold.
 """
 from __future__ import annotations
 

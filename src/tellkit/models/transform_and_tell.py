@@ -343,10 +343,10 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         incremental state. Returns ``tokens`` (caption ids, no BOS/EOS), ``scores``, and with
         ``return_attention`` per-token attention over each context (mean over heads, layers).
 
-        ``prepack``: float32 products on a CPU use oneDNN-packed copies of the weights
-        (:func:`tellkit.layers.rows.prepacked`: faster, equal to float32 rounding; the copies take
-        as much memory as the float32 weights and stay while the weights do). ``False``: the plain
-        ``F.linear`` products."""
+        ``prepack``: float32 products on a CPU, and bfloat16-autocast ones, use oneDNN-packed
+        copies of the weights (:func:`tellkit.layers.rows.prepacked`: faster, equal to rounding;
+        the copies take as much memory as the float32 weights, half that in bfloat16, and stay
+        while the weights do). ``False``: the plain ``F.linear`` products."""
         with rows.prepacked(prepack):
             return self._generate(batch, max_len, beam_size, length_penalty, min_len, no_repeat_ngram_size,
                                   return_attention, n_best)

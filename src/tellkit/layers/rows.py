@@ -157,19 +157,25 @@ def _packed_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return y[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _on_padded_rows(x: torch.Tensor, product) -> torch.Tensor:
+    """``product(x)`` on ``x`` [..., in], its rows padded with zeros to :func:`bucket` rows where
+    the product is bfloat16 on a CPU (the padded rows are dropped from the result)."""
+    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+    if not rows or not cpu_bf16(x) or bucket(rows) == rows:
+        return product(x)
+    flat = x.new_zeros(bucket(rows), x.shape[-1])
+    flat[:rows] = x.reshape(rows, -1)
+    return product(flat)[:rows].reshape(*x.shape[:-1], -1)
+
+
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``: on a pre-packed weight inside :func:`prepacked` where the
-    product is float32 on the CPU with autograd off, on rows padded to :func:`bucket` rows where it
-    is bfloat16 on a CPU, and the plain call otherwise."""
+    product is float32 (or bfloat16 autocast) on the CPU with autograd off, on rows padded to
+    :func:`bucket` rows where it is bfloat16 on a CPU, and the plain call otherwise."""
     dtype = _packable(x, weight, bias)
     if dtype is not None:
         return _packed_product(x, weight, bias, dtype)
-    rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if not rows or not cpu_bf16(x) or bucket(rows) == rows:
-        return F.linear(x, weight, bias)
-    flat = x.new_zeros(bucket(rows), x.shape[-1])
-    flat[:rows] = x.reshape(rows, -1)
-    return F.linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], -1)
+    return _on_padded_rows(x, lambda t: F.linear(t, weight, bias))
 
 
 def _bare_linear(module: nn.Module) -> bool:
@@ -179,19 +185,12 @@ def _bare_linear(module: nn.Module) -> bool:
 
 
 def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for a linear layer on ``x`` [..., in]: through :func:`dense` for an
-    ``nn.Linear`` (its pre-packed weight inside :func:`prepacked`; a weight-normalised
-    ``GehringLinear`` does the same in its own call), the rows (all leading dimensions) padded to
-    :func:`bucket` rows where the product is bfloat16 on a CPU."""
-    dtype = _packable(x, module.weight, module.bias) if _bare_linear(module) else None
-    if dtype is not None:
-        return _packed_product(x, module.weight, module.bias, dtype)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not rows or not cpu_bf16(x) or not isinstance(module, nn.Linear):
+    """``module(x)`` for a linear layer on ``x`` [..., in]: :func:`dense` for a plain ``nn.Linear``
+    (its pre-packed weight inside :func:`prepacked`; a weight-normalised ``GehringLinear`` does the
+    same in its own call); another ``nn.Linear`` (own forward or hooks) is called on rows padded to
+    :func:`bucket` rows where the product is bfloat16 on a CPU; anything else is called as it is."""
+    if _bare_linear(module):
+        return dense(x, module.weight, module.bias)
+    if not isinstance(module, nn.Linear):
         return module(x)
-    padded = bucket(rows)
-    if padded == rows:
-        return module(x)
-    flat = x.new_zeros(padded, x.shape[-1])
-    flat[:rows] = x.reshape(rows, -1)
-    return module(flat)[:rows].reshape(*x.shape[:-1], -1)
+    return _on_padded_rows(x, module)

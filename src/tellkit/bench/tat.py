@@ -74,8 +74,9 @@ class _Recompute:
 def generation(model, batch_size: int, tokens: int, device: str, recompute: bool,
                precision: Precision | None = None, prepack: bool = True) -> dict[str, Any]:
     """Greedy generation of ``tokens`` tokens per sample; ``precision``: an autocast (bf16) to run
-    under (the result then names it); ``prepack``: float32 products on oneDNN-packed weights
-    (:func:`tellkit.layers.rows.prepacked`, as ``TransformAndTell.generate`` runs on a CPU)."""
+    under (the result then names it); ``prepack``: products on oneDNN-packed weights, float32 or
+    (under bf16 autocast) bfloat16 copies (:func:`tellkit.layers.rows.prepacked`, as
+    ``TransformAndTell.generate`` runs on a CPU)."""
     cfg = model.config
     batch = fake_batch(cfg, batch_size, device=device)
     precision = precision or Precision(torch.device(device).type, None)

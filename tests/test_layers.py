@@ -59,8 +59,22 @@ def test_dynamic_conv_incremental_keeps_only_k_minus_1_inputs():
     steps = []
     for t in range(9):
         steps.append(conv(x[:, t:t + 1], state))
-        assert state["history"].shape == (2, K - 1, 6)
+        assert state["history"].shape == (2, 3, K - 1, 2)  # per head: [B, H, K-1, C/H]
+        if t >= K - 2:  # the last K-1 inputs, regrouped by head
+            kept = state["history"].transpose(1, 2).reshape(2, K - 1, 6)
+            torch.testing.assert_close(kept, x[:, t - K + 2:t + 1])
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("K", [1, 2, 5])
+def test_dynamic_conv_prefix_then_steps_equals_full(K):
+    """A multi-position call with state (a prompt), then single steps: the same as one pass."""
+    torch.manual_seed(1)
+    conv = DynamicConv1d(8, K, num_heads=2).eval()
+    x = torch.randn(3, 7, 8)
+    state: dict = {}
+    parts = [conv(x[:, :4], state)] + [conv(x[:, t:t + 1], state) for t in range(4, 7)]
+    torch.testing.assert_close(torch.cat(parts, 1), conv(x), atol=1e-6, rtol=1e-5)
 
 
 def test_dynamic_conv_kernels_softmax_normalised_and_weight_dropout():

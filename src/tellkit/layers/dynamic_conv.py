@@ -12,7 +12,7 @@ weight-normalised ``GehringLinear`` layers with ``gehring_linear=True``, as in t
 Residual and LayerNorm belong to the block that uses it.
 
 Incremental decoding: pass a ``state`` dict; the layer keeps only the last K-1 inputs of the
-convolution and processes new positions against them. A full forward pass is the same
+convolution (per head) and processes new positions against them. A full forward pass is the same
 computation with an all-zero history, so both paths agree to float rounding.
 """
 from __future__ import annotations
@@ -48,26 +48,29 @@ class DynamicConv1d(nn.Module):
         return F.dropout(w, p=self.weight_dropout, training=self.training)
 
     def forward(self, x: torch.Tensor, state: dict | None = None) -> torch.Tensor:
-        """``x`` [B, T, C] -> [B, T, C]. With ``state``, continues from the saved history."""
+        """``x`` [B, T, C] -> [B, T, C]. With ``state``, continues from the saved history (the
+        last K-1 inputs, kept per head: ``state["history"]`` [B, H, K-1, C/H])."""
         B, T, C = x.shape
         K, H = self.kernel_size, self.num_heads
+        hd = C // H
         hist = None if state is None else state.get("history")
         if hist is None:
-            hist = x.new_zeros(B, K - 1, C)
-        ext = torch.cat([hist, x], dim=1)  # [B, T+K-1, C]; ext[t + k] is window slot k of position t
+            hist = x.new_zeros(B, H, K - 1, hd)
+        # per head, the extended input [B, H, T+K-1, hd]: slot t + k is window slot k of position t
+        # (head-major, so a decoding step's weighted sum is one batched product, with no copy
+        # that regroups the window by head)
+        ext = torch.cat([hist, x.view(B, T, H, hd).transpose(1, 2)], dim=2)
         if state is not None:
-            state["history"] = ext[:, ext.size(1) - (K - 1):] if K > 1 else ext[:, :0]
+            state["history"] = ext[:, :, ext.size(2) - (K - 1):]
         w = self.kernels(x)  # [B, T, H, K]
-        hd = C // H
         if T == 1:  # one decoding step: a K-term weighted sum per head
-            win = ext.view(B, K, H, hd)
-            out = torch.einsum("bhk,bkhc->bhc", w[:, 0], win).reshape(B, 1, C)
+            out = torch.matmul(w.transpose(1, 2), ext)  # [B, H, 1, hd]
         else:  # band matrix: row t holds w[t, :] in columns t .. t+K-1 of the extended input
             band = w.new_zeros(B, H, T, T + K - 1)
             band.as_strided((B, H, T, K), (H * T * (T + K - 1), T * (T + K - 1), T + K, 1)).copy_(
                 w.permute(0, 2, 1, 3))
-            xh = ext.view(B, T + K - 1, H, hd).transpose(1, 2)  # [B, H, T+K-1, hd]
-            out = torch.matmul(band, xh).transpose(1, 2).reshape(B, T, C)
+            out = torch.matmul(band, ext)
+        out = out.transpose(1, 2).reshape(B, T, C)
         if self.conv_bias is not None:
             out = out + self.conv_bias
         return out

@@ -46,6 +46,7 @@ from tellkit.layers.linear import GehringLinear
 from tellkit.layers.loss import token_loss, weight_sequences
 from tellkit.layers.positional import SinusoidalPositions
 from tellkit.registry import register_model
+from tellkit.utils.precision import autocast_input
 
 CONTEXTS = ("image", "article", "faces", "objects")
 
@@ -265,10 +266,12 @@ class TransformAndTell(nn.Module, PretrainedMixin):
         return ctx
 
     def project_contexts(self, ctx: Contexts) -> Contexts:
-        """Compute every layer's context keys/values once per input (not once per step)."""
-        ctx.layer_kvs = [layer.project_contexts(ctx.feats) for layer in self.layers]
+        """Compute every layer's context keys/values once per input (not once per step). Under
+        autocast each context is cast once here, not by each of the layers' products."""
+        feats = {name: (autocast_input(x), valid) for name, (x, valid) in ctx.feats.items()}
+        ctx.layer_kvs = [layer.project_contexts(feats) for layer in self.layers]
         if self.copy_head is not None:
-            art, valid = ctx.feats["article"]
+            art, valid = feats["article"]
             uncopyable = ~valid | (ctx.article_ids < 0)
             ctx.copy_kv = self.copy_head.attn.project_kv(art, key_padding_mask=uncopyable)
         return ctx

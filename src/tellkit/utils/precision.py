@@ -76,3 +76,15 @@ def dtype_name(value: str) -> str:
         return DTYPE_NAMES[str(value).lower()]
     except KeyError:
         raise ValueError(f"unknown dtype {value!r}: use one of fp32, bf16, fp16") from None
+
+
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the products of an autocast region take it: a float32 tensor is cast to the
+    autocast dtype when autocast is on for its device; anything else comes back unchanged.
+    Autocast casts an activation again at every product that reads it (it caches only the casts
+    of weights); a tensor that many products read (a context every decoder layer projects) is
+    better cast once, to the same values."""
+    kind = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
+        return x
+    return x.to(torch.get_autocast_dtype(kind))

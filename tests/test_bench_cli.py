@@ -38,6 +38,31 @@ def test_tat_generation_bench_runs_under_bf16_and_says_so():
     assert low["generated_tokens"] == fp32["generated_tokens"] == sum(len(o) + 1 for o in low["outputs"])
 
 
+@pytest.mark.parametrize("with_bf16", [False, True])
+def test_tat_bench_alternates_its_rows_and_keeps_each_ones_fastest(monkeypatch, with_bf16):
+    """packed, plain and (given a precision) bf16 runs take turns, round after round; each row is
+    the fastest of its own runs."""
+    import tellkit.bench.tat as tat_bench
+    from tellkit.utils.precision import Precision
+
+    calls, secs = [], iter([5.0, 6.0, 7.0, 4.0, 8.0, 3.0])
+
+    def fake_generation(model, bs, tokens, device, recompute, precision=None, prepack=True):
+        calls.append("low" if precision is not None else ("packed" if prepack else "plain"))
+        return {"seconds": next(secs), "who": calls[-1], "round": len(calls)}
+
+    monkeypatch.setattr(tat_bench, "generation", fake_generation)
+    low = Precision("cpu", "bfloat16") if with_bf16 else None
+    best = tat_bench._alternated(None, 2, 3, "cpu", 2, low)
+    names = ["packed", "plain", "low"] if with_bf16 else ["packed", "plain"]
+    assert calls == names * 2  # alternated: other work slows every row alike
+    assert sorted(best) == sorted(names)
+    for name, row in best.items():
+        assert row["who"] == name
+    if with_bf16:  # seconds 5, 6, 7 then 4, 8, 3: packed and low from round 2, plain from round 1
+        assert [best[n]["round"] for n in names] == [4, 2, 6]
+
+
 def test_bench_cli_rejects_unknown_suite(tmp_path):
     res = subprocess.run([sys.executable, "-m", "tellkit", "bench", "no_such_suite", "--out", str(tmp_path)],
                          capture_output=True, text=True)

@@ -4,17 +4,19 @@ at batch 1 and 32 for the paper-size decoder, and training tokens/s for the smal
 paper-size configs. Weights are random (speed does not depend on them); contexts have the
 paper's sizes (49 image regions, 512 article tokens x all encoder layers, 4 faces).
 
-The incremental float32 generation runs twice, alternated over two rounds and the fastest of each
-kept: on oneDNN-packed weights (``incremental``, what ``TransformAndTell.generate`` does on a CPU)
-and on the plain ``F.linear`` products (``incremental_plain_weights``), with the speed-up and
-how many outputs the two share. Each of these rows also has its FLOPs (counted once, untimed,
-by ``torch.utils.flop_counter.FlopCounterMode``: the whole run, the context encoding and the
-decoding steps) and the fraction of the float32 FLOP bound it reaches: GFLOP/s reached over
+The incremental float32 generation runs in two ways, alternated (with the bf16 row) over three
+rounds and the fastest of each kept: on oneDNN-packed weights (``incremental``, what
+``TransformAndTell.generate`` does on a CPU) and on the plain ``F.linear`` products
+(``incremental_plain_weights``), with the speed-up and how many outputs the two share. Each of
+these rows also has its FLOPs (counted once, untimed, by
+``torch.utils.flop_counter.FlopCounterMode``: the whole run, the context encoding and the decoding
+steps) and the fraction of the float32 FLOP bound it reaches: GFLOP/s reached over
 ``fp32_peak_gflops.peak``, the better of a 2048 x 2048 float32 product through ``torch.mm`` and
 through a packed oneDNN weight at the bench's thread count, measured before and after the
 generation rows and the higher kept (``measured`` lists both; equivalently, tokens/s reached over
-the tokens/s that peak would give for those FLOPs). Element-wise work is not counted, so the
-bound is optimistic. A bf16 autocast row sits beside each, its outputs compared with float32's."""
+the tokens/s that peak would give for those FLOPs). Element-wise work is not counted, so the bound
+is optimistic. A bf16 autocast row (packed bfloat16 copies) sits beside each, run in the same
+alternation, its outputs compared with float32's."""
 from __future__ import annotations
 
 from typing import Any
@@ -102,7 +104,7 @@ def generation(model, batch_size: int, tokens: int, device: str, recompute: bool
         out["prepacked_weights"] = prepack and torch.device(device).type == "cpu"
     if not recompute:  # how much of it is the once-per-input context encoding (layer mix + K/V)
         with torch.no_grad(), precision.autocast(), rows.prepacked(prepack):
-            ctx_secs, _ = timed(lambda: model.project_contexts(model.encode_contexts(batch)), device, repeat=2)
+            ctx_secs, _ = timed(lambda: model.project_contexts(model.encode_contexts(batch)), device, repeat=3)
         out["context_encoding_seconds"] = round(ctx_secs, 3)
         out["decoding_tokens_per_s"] = round(n / max(secs - ctx_secs, 1e-9), 2)
     return out
@@ -161,17 +163,22 @@ def _bound(row: dict[str, Any], flops: dict[str, float], peak: float) -> None:
     row["decoding_fraction_of_fp32_flop_bound"] = round(flops["decoding_gflop"] / max(secs - ctx_secs, 1e-9) / peak, 3)
 
 
-def _paired(model, bs: int, tokens: int, device: str, rounds: int) -> tuple[dict, dict]:
-    """The incremental float32 generation on packed and on plain weights, alternated for
-    ``rounds`` rounds (each run a best of 3), the fastest of each kept: other work on the same
-    cores then slows both alike."""
-    best: dict[bool, dict] = {}
+def _alternated(model, bs: int, tokens: int, device: str, rounds: int,
+                precision: Precision | None) -> dict[str, dict]:
+    """The incremental generation on packed float32 weights (``packed``), on the plain products
+    (``plain``) and, given a ``precision``, under it (``low``: bf16 autocast, packed bfloat16
+    copies), alternated for ``rounds`` rounds (each run a best of 3), the fastest of each kept:
+    other work on the same cores then slows all of them alike, and their ratios hold."""
+    variants: dict[str, dict] = {"packed": {"prepack": True}, "plain": {"prepack": False}}
+    if precision is not None:
+        variants["low"] = {"precision": precision}
+    best: dict[str, dict] = {}
     for _ in range(rounds):
-        for prepack in (True, False):
-            r = generation(model, bs, tokens, device, recompute=False, prepack=prepack)
-            if prepack not in best or r["seconds"] < best[prepack]["seconds"]:
-                best[prepack] = r
-    return best[True], best[False]
+        for name, kwargs in variants.items():
+            r = generation(model, bs, tokens, device, recompute=False, **kwargs)
+            if name not in best or r["seconds"] < best[name]["seconds"]:
+                best[name] = r
+    return best
 
 
 def training(config: str, batch_size: int, caption_len: int, steps: int, device: str) -> dict[str, Any]:
@@ -208,7 +215,9 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     peak = fp32_peak_gflops(repeat=repeat) if cpu else None
     gen, bounded = {}, []
     for bs in ((1, 4) if quick else (1, 32)):
-        inc, plain = _paired(model, bs, tokens, device, rounds=1 if quick else 2)
+        bf16 = resolve(device, "bfloat16")
+        runs = _alternated(model, bs, tokens, device, 1 if quick else 3, bf16 if bf16.dtype else None)
+        inc, plain = runs["packed"], runs["plain"]
         full = generation(model, bs, tokens, device, recompute=True)
         if cpu:
             flops = generation_flops(model, bs, tokens, device)
@@ -220,13 +229,13 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
             "prepacked_decoding_speedup": round(inc["decoding_tokens_per_s"] / plain["decoding_tokens_per_s"], 2),
             "outputs_equal_prepacked_vs_plain": f"{same} of {len(inc['outputs'])}",
             "full_recomputation": full, "speedup": round(inc["tokens_per_s"] / full["tokens_per_s"], 2)}
-        bf16 = resolve(device, "bfloat16")
         if bf16.dtype is None:
             gen[f"batch_{bs}"]["bf16"] = {"skipped": bf16.note}
         else:  # the same incremental generation under bf16 autocast, its outputs against float32's
-            low = generation(model, bs, tokens, device, recompute=False, precision=bf16)
+            low = runs["low"]
             same = sum(a == b for a, b in zip(low["outputs"], inc["outputs"]))
             low.update(speedup_vs_fp32=round(low["tokens_per_s"] / inc["tokens_per_s"], 2),
+                       speedup_vs_fp32_plain=round(low["tokens_per_s"] / plain["tokens_per_s"], 2),
                        outputs_equal_to_fp32=f"{same} of {len(inc['outputs'])}")
             gen[f"batch_{bs}"]["bf16"] = low
     if cpu:  # the peak measured again after the generation rows, the better one kept: a peak

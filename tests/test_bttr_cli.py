@@ -7,7 +7,7 @@ from PIL import Image
 
 from tellkit.bench.bttr import SAMPLE_PATH, draw_sample
 from tellkit.cli import main
-from tellkit.metrics.exprate import edit_distance, exprate
+from tellkit.metrics.exprate import breakdown, edit_distance, exprate
 
 LABELS = ["x^2", "a+b", "\\frac 1 2", "y_1", "x^2", "a+b", "\\frac 1 2", "y_1"]
 
@@ -31,6 +31,32 @@ def test_exprate():
     assert r["exprate_le2"] == pytest.approx(200 / 3) and r["n"] == 3
 
 
+def test_breakdown_by_length_and_structure():
+    long_ref = ["x", "_", "{", "1", "}"] * 7  # 35 tokens, with scripts
+    frac = ["\\frac", "{", "a", "}", "{", "b", "}"]  # 7 tokens
+    root = ["\\sqrt", "{", "x", "}"] + ["+", "y"] * 4  # 12 tokens
+    refs = [frac, frac, root, long_ref, long_ref + ["+", "1"] * 3, ["a"] * 20]
+    hyps = [frac, frac[:-1], root, long_ref[:20], long_ref + ["+", "1"] * 3, ["a"] * 20]
+    t = breakdown(hyps, refs)
+    n = {k: v["n"] for k, v in t["by_length"].items()}
+    assert n == {"0-9": 2, "10-19": 1, "20-29": 1, "30-39": 1, "40+": 1}
+    assert t["by_length"]["0-9"]["exprate"] == 50.0 and t["by_length"]["0-9"]["exprate_le1"] == 100.0
+    assert t["by_length"]["0-9"]["length_ratio"] == pytest.approx(13 / 14)
+    b30 = t["by_length"]["30-39"]
+    assert b30["exprate"] == 0.0 and b30["length_ratio"] == pytest.approx(20 / 35)
+    assert t["by_length"]["40+"]["exprate"] == 100.0 and t["by_length"]["40+"]["length_ratio"] == 1.0
+    assert t["long"]["n"] == 2 and t["long"]["exprate"] == 50.0 and t["long"]["length_ratio"] == pytest.approx(61 / 76)
+    s = t["by_structure"]
+    assert (s["fraction"]["n"], s["fraction"]["exprate"]) == (2, 50.0)
+    assert (s["root"]["n"], s["root"]["exprate"]) == (1, 100.0)
+    assert (s["script"]["n"], s["script"]["exprate"]) == (2, 50.0)
+    assert s["matrix"] == {"n": 0}
+    m = breakdown([["a"]], [["\\begin", "{", "matrix", "}", "a", "\\end", "{", "matrix", "}"]])["by_structure"]
+    assert m["matrix"]["n"] == 1 and m["matrix"]["exprate"] == 0.0
+    with pytest.raises(ValueError):
+        breakdown([["a"]], [])
+
+
 def test_sample_is_drawn_by_our_code():
     assert SAMPLE_PATH.is_file()
     a, b = Image.open(SAMPLE_PATH).convert("L"), draw_sample()
@@ -52,6 +78,14 @@ def test_train_evaluate_recognize_cli(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "ev" / "predictions_test.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {"id", "prediction", "reference", "distance", "correct"} <= set(rows[0])
     assert sum(r["correct"] for r in rows) / 8 * 100 == pytest.approx(out["metrics"]["exprate"])
+    # the metrics file carries the table by length and structure, recomputed here from the predictions
+    saved = json.loads((tmp_path / "ev" / "metrics_test.json").read_text())
+    again = breakdown([r["prediction"].split() for r in rows], [r["reference"].split() for r in rows])
+    assert saved["breakdown"] == json.loads(json.dumps(again))
+    assert sum(v["n"] for v in saved["breakdown"]["by_length"].values()) == 8
+    assert saved["metrics"]["n_long"] == 0 and "exprate_long" not in saved["metrics"]
+    assert saved["metrics"]["length_ratio"] == pytest.approx(
+        sum(len(r["prediction"].split()) for r in rows) / sum(len(r["reference"].split()) for r in rows))
 
     img = str(tmp_path / "data" / "train" / "S" / "e0.png")
     assert main(["recognize", img, "--model", str(run), "--json", "--beam-size", "2", "--max-len", "6"]) == 0

@@ -60,7 +60,7 @@ from tellkit.data.recognition import (
 )
 from tellkit.decoding import confidence as confidences
 from tellkit.errors import TellkitError
-from tellkit.metrics.exprate import edit_distance, exprate
+from tellkit.metrics.exprate import breakdown, edit_distance, exprate
 from tellkit.recipes import GenerationSettings, known_keys, section
 from tellkit.tasks import register_task
 from tellkit.tasks.processor import Processor, as_pil, finite_or_none, input_path, is_array, is_pil
@@ -264,4 +264,17 @@ class RecognitionTask(Task):
         return preds
 
     def score(self, predictions):
-        return exprate([p["prediction"].split() for p in predictions], [p["reference"].split() for p in predictions])
+        """ExpRate and its error margins, with the figures of the long expressions (``n_long``,
+        ``exprate_long``: 30 tokens or more) and the predicted / true length ratio; the whole table by
+        length and structure goes to ``eval_info["breakdown"]`` (``tellkit evaluate``'s metrics file)."""
+        hyps, refs = [p["prediction"].split() for p in predictions], [p["reference"].split() for p in predictions]
+        metrics = exprate(hyps, refs)
+        table = breakdown(hyps, refs)
+        self.eval_info = {"breakdown": table}
+        whole = sum(len(r) for r in refs)
+        if whole:
+            metrics["length_ratio"] = sum(len(h) for h in hyps) / whole
+        metrics["n_long"] = table["long"]["n"]
+        if table["long"]["n"]:
+            metrics["exprate_long"] = table["long"]["exprate"]
+        return metrics

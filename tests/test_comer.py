@@ -404,13 +404,13 @@ def test_padded_targets_train_as_in_the_reference(comer_ckpt, tmp_path):
     """Teacher forcing on targets of different lengths, the ARM's BatchNorm on batch statistics
     (training mode, no dropout): every logit, padded rows included, equals the reference's,
     which masks padded target positions out of the decoder's self-attention."""
-    from tellkit.convert import read_state_dict
+    from tellkit.convert import read_reference_state_dict
     from tellkit.convert.bttr import COMER_SYMBOLS, convert
     from tellkit.data.latex import Vocab
     from tellkit.registry import create_model
 
     ref, path = comer_ckpt
-    config, state = convert(read_state_dict(path), nhead=4)
+    config, state = convert(read_reference_state_dict(path), nhead=4)
     m = create_model({**config, "dropout": 0.0, "encoder_dropout": 0.0})
     m.load_state_dict(state)
     vocab = Vocab()
@@ -442,11 +442,11 @@ def test_padded_targets_train_as_in_the_reference(comer_ckpt, tmp_path):
 
 
 def test_convert_needs_the_coverage_kind_when_only_one_is_on(comer_ckpt, tmp_path):
-    from tellkit.convert import read_state_dict
+    from tellkit.convert import read_reference_state_dict
     from tellkit.convert.bttr import convert
 
     _, path = comer_ckpt
-    state = read_state_dict(path)
+    state = read_reference_state_dict(path)
     key = "comer_model.decoder.model.arm.conv.weight"
     state[key] = state[key][:, :4]  # a module that reads one kind of coverage (4 = nhead)
     from tellkit.errors import TellkitError

@@ -151,5 +151,5 @@ def build_image_encoder(name: str = DEFAULT_IMAGE_ENCODER, weights=None, fit: st
     elif isinstance(weights, dict):
         W.load_strict(backbone, weights, what)
     else:
-        W.load_strict(backbone, W.read_state_dict(weights, what), what, source=str(weights))
+        W.load_strict(backbone, W.read_weights_file(weights, what), what, source=str(weights))
     return ImageEncoder(name, backbone, transform)

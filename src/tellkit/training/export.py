@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tellkit.checkpoint import CONFIG_NAME, carried_encoder_files, load_model, write_tensor_files
-from tellkit.encoders.weights import read_state_dict
+from tellkit.encoders.weights import read_weights_file
 from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
 
@@ -91,7 +91,7 @@ def average_checkpoints(checkpoints: Sequence[str | Path], out: str | Path, *, w
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    return read_state_dict(path, f"encoder weights {path.name}")
+    return read_weights_file(path, f"encoder weights {path.name}")
 
 
 def _mean_tensors(states: list[dict[str, torch.Tensor]], key: str) -> dict[str, torch.Tensor]:

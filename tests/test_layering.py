@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("models",),
     ("convert", "training", "runtime"),
     ("tasks",),
-    ("pipelines", "workflows", "sprint", ""),
+    ("pipelines", "workflows", ""),
     ("server",),
     ("bench",),
     ("cli", "__main__"),

@@ -10,7 +10,7 @@ import pytest
 
 from tellkit.cli import main
 from tellkit.config import load_yaml, resolve_config_path
-from tellkit.sprint import scaled_recipe, training_recipe
+from tellkit.workflows.sprint import scaled_recipe, training_recipe
 
 
 def test_batch_caps_and_learning_rate_follow_the_batch_size():

@@ -1,7 +1,7 @@
 """`tellkit sprint CONFIG [key=value ...] --out RUN --minutes M`: on a machine lent for minutes,
 profile the training step (batch sizes, data loading, device busy share, host-device
 synchronisations), then train at the fastest setting until the time is up, saving a state every
-minute; the same command again resumes the run. See :mod:`tellkit.sprint`."""
+minute; the same command again resumes the run. See :mod:`tellkit.workflows.sprint`."""
 from __future__ import annotations
 
 import argparse
@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path  # heavy
-    from tellkit.sprint import sprint  # heavy
+    from tellkit.workflows.sprint import sprint  # heavy
 
     recipe = deep_merge(load_yaml(resolve_config_path(args.config)), parse_overrides(args.overrides))
     summary = sprint(recipe, args.out, minutes=args.minutes, batch_sizes=args.batch_sizes,

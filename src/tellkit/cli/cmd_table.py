@@ -16,7 +16,7 @@ label is the recipe's top-level ``row:`` (else its file name); a recipe's ``publ
 (``source``, ``encoder``, metric numbers) is printed as a line under its row, so that the
 paper's figures stand beside the measured ones. ``OUT/table.json`` holds every metric of every
 row, ``OUT/table.md`` the printed table. The work (training rows, the table itself) is
-``tellkit.workflows.table_row``.
+``tellkit.workflows.table.table_row``.
 
 Captioning rows: rows whose contexts the task's disk cache cannot hold (per-caption contexts such as
 Flickr8k's ``other_captions``) are encoded once per image / text in memory and shared

@@ -1,7 +1,7 @@
 """Where a model's forward computation runs: PyTorch (``torch``, the default) or ONNX Runtime
 (``onnx``, the ``onnx`` extra), behind one switch of the pipelines (``runtime=`` of
 :meth:`tellkit.pipelines.base.Pipeline.load` and ``tellkit.pipeline``), of evaluation
-(:func:`tellkit.workflows.evaluate_checkpoint`) and of ``tellkit recognize / caption /
+(:func:`tellkit.workflows.evaluate.evaluate_checkpoint`) and of ``tellkit recognize / caption /
 evaluate --runtime``.
 
 - :mod:`tellkit.runtime.graphs`: the model pieces that are exported (encoders, one decoder step
@@ -103,7 +103,7 @@ class WithRuntime:
 
 def for_evaluation(model, task, runtime: str | None, path: str | os.PathLike, meta: dict[str, Any],
                    device: Any = None, dtype: str | None = None):
-    """``model`` (PyTorch) as :func:`tellkit.workflows.evaluate_checkpoint` runs it with ``runtime``."""
+    """``model`` (PyTorch) as :func:`tellkit.workflows.evaluate.evaluate_checkpoint` runs it with ``runtime``."""
     if check_runtime(runtime, device=device, dtype=dtype) == "torch":
         return model
     onnx = onnx_model(path, meta)

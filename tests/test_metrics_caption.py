@@ -149,9 +149,12 @@ def test_linguistic_by_hand():
     assert flesch_reading_ease("The cat sat on the mat.") == pytest.approx(206.835 - 1.015 * 6 - 84.6 * 1.0)
     # "A table. A beautiful whale." 5 words, 2 sentences, 1+2+1+3+1 = 8 syllables
     assert flesch_reading_ease("A table. A beautiful whale.") == pytest.approx(206.835 - 1.015 * 2.5 - 84.6 * 8 / 5)
-    assert type_token_ratio("The dog and the cat") == pytest.approx(80.0)
-    s = linguistic_scores(["The dog and the cat", "A cat."])
-    assert s["length"] == pytest.approx(3.5) and s["ttr"] == pytest.approx(90.0)
+    # case kept, as the reference's TTR; lowercase=True folds it
+    assert type_token_ratio("The dog and the cat") == pytest.approx(100.0)
+    assert type_token_ratio("The dog and the cat", lowercase=True) == pytest.approx(80.0)
+    s = linguistic_scores(["The dog and the the cat", "A cat."])
+    assert s["length"] == pytest.approx(4.0) and s["ttr"] == pytest.approx((500 / 6 + 100) / 2)
+    assert s["unique_words"] == pytest.approx(3.5)
 
 
 class _Tok:

@@ -215,6 +215,22 @@ def test_cli_scores_the_reference_generations(tmp_path):
     assert got["flesch"] == pytest.approx(71.0)
 
 
+def test_cli_reads_the_reference_name_counters_without_running_code(tmp_path):
+    import pickle
+    from collections import Counter
+
+    gen = tmp_path / "generations.jsonl"
+    gen.write_text("".join(json.dumps(o) + "\n" for o in _generation_records()))
+    counters = {"caption": Counter(sorted(TRAIN_CAPTION_NAMES)), "context": Counter(sorted(TRAIN_ARTICLE_NAMES))}
+    (tmp_path / "name_counters.pkl").write_bytes(pickle.dumps(counters))
+    rc, out, err = _cli("score", "--generations", gen, "--name-counters", tmp_path / "name_counters.pkl")
+    assert rc == 0, err
+    _check_hand(json.loads(out)["entities"])
+    (tmp_path / "evil.pkl").write_bytes(pickle.dumps({"caption": Counter(), "context": TellkitError("x")}))
+    rc, _, err = _cli("score", "--generations", gen, "--name-counters", tmp_path / "evil.pkl")
+    assert rc == 2 and "refused" in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_errors_are_one_line(tmp_path):
     gen = tmp_path / "g.jsonl"
     gen.write_text('{"generation": "x"}\n')
@@ -248,3 +264,19 @@ def test_cli_entities_on_text_files_with_spacy(tmp_path):
     # Chicago / Monday are not in the training captions' proper nouns: rare, and matched
     assert got["rare_proper_nouns_precision"] == 100.0 and got["rare_proper_nouns_precision_total"] >= 1
     assert got["length"] == pytest.approx((7 + 5) / 2) and got["reference_length"] == pytest.approx((7 + 5) / 2)
+
+
+def test_undefined_figures_are_a_dash_in_tables_and_the_worst_monitor_value():
+    from tellkit.cli.cmd_table import markdown
+    from tellkit.training.task import Task
+
+    row = {"row": "tat", "task": "captioning", "monitor": "cider", "params": 1e6, "steps": 3, "best_val": 1.0,
+           "metrics": {"cider": 12.5, "entities_precision": None, "entities_recall": 40.0}}
+    line = markdown([row]).splitlines()[2]
+    assert "| 12.50 | - | 40.00 |" in line
+
+    class Monitored(Task):
+        name, monitor, monitor_mode = "t", "person_recall", "max"
+
+    assert Monitored.monitor_key(Monitored.__new__(Monitored), {"person_recall": None}) == (float("-inf"),)
+    assert Monitored.monitor_key(Monitored.__new__(Monitored), {"person_recall": 0.0}) == (0.0,)

@@ -51,6 +51,8 @@ def add_arguments(p) -> None:
                    "captions' make the article rare-name vocabulary")
     p.add_argument("--article-names", help="entities: the training articles' proper nouns as a word list, "
                    "instead of --train-articles")
+    p.add_argument("--name-counters", help="entities: the reference's name_counters.pkl (training captions' and "
+                   "articles' proper nouns), instead of the four options above")
     p.add_argument("--ner-model", default="auto", help="entities: spaCy pipeline (default: auto, the best installed)")
 
 
@@ -88,10 +90,11 @@ def run(args) -> int:
     unknown = sorted(set(metrics) - set(METRIC_GROUPS))
     if unknown or not metrics:
         raise TellkitError(f"--metrics: unknown {unknown or metrics}; choose from {', '.join(METRIC_GROUPS)}")
-    vocab_options = (args.train_captions, args.caption_names, args.train_articles, args.article_names)
+    vocab_options = (args.train_captions, args.caption_names, args.train_articles, args.article_names,
+                     args.name_counters)
     if "entities" not in metrics and any(vocab_options):
-        raise TellkitError("--train-captions / --caption-names / --train-articles / --article-names are read by "
-                           "the entity metrics only: add entities to --metrics")
+        raise TellkitError("--train-captions / --caption-names / --train-articles / --article-names / "
+                           "--name-counters are read by the entity metrics only: add entities to --metrics")
     preds, refs, records = _inputs(args)
     if args.alignments and "content_f1" not in metrics:
         raise TellkitError("--alignments is only read by Content F1: add content_f1 to --metrics")
@@ -159,8 +162,16 @@ def _entities(args, preds: list[str], refs: list[str], records: list[dict] | Non
     def nlp():
         return load_nlp(resolve_model(args.ner_model))
 
-    words = _vocabulary(args.train_captions, args.caption_names, "--train-captions", "--caption-names", nlp)
-    article = _vocabulary(args.train_articles, args.article_names, "--train-articles", "--article-names", nlp)
+    if args.name_counters:
+        if any((args.train_captions, args.caption_names, args.train_articles, args.article_names)):
+            raise TellkitError("--name-counters gives both rare-name vocabularies: leave out --train-captions, "
+                               "--caption-names, --train-articles and --article-names")
+        from tellkit.metrics.news import read_name_counters  # heavy
+
+        words, article = read_name_counters(args.name_counters)
+    else:
+        words = _vocabulary(args.train_captions, args.caption_names, "--train-captions", "--caption-names", nlp)
+        article = _vocabulary(args.train_articles, args.article_names, "--train-articles", "--article-names", nlp)
     if records is not None:
         return score_generations(records, train_words=words, article_words=article, model=args.ner_model)
     ids = [str(i) for i in range(len(preds))]

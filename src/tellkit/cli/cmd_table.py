@@ -85,6 +85,13 @@ def _columns(done: list[dict]) -> list[tuple[str, str]]:
     return columns or [(k, k) for k in sorted({k for r in done for k in r["metrics"]})]
 
 
+def _cell(metrics: dict, key: str) -> str:
+    """A metric's table cell: two decimals; ``-`` for an undefined value (null: 0/0); empty when absent."""
+    if key not in metrics:
+        return ""
+    return "-" if metrics[key] is None else f"{metrics[key]:.2f}"
+
+
 def markdown(rows: list[dict]) -> str:
     """The table: one line per row, and under a row with published figures a line with them; a
     failed row shows its error."""
@@ -100,7 +107,7 @@ def markdown(rows: list[dict]) -> str:
             lines.append("| " + " | ".join(cells) + " |")
             continue
         cells = [r["row"], str(r.get("encoder") or "")]
-        cells += [f"{r['metrics'][k]:.2f}" if k in r["metrics"] else "" for k, _ in columns]
+        cells += [_cell(r["metrics"], k) for k, _ in columns]
         cells += [f"{r['params'] / 1e6:.2f}M", str(r["steps"]), f"{r.get('train_seconds', 0):.0f}",
                   f"{r['best_val']:.3f}" if isinstance(r["best_val"], (int, float)) else ""]
         lines.append("| " + " | ".join(cells) + " |")
@@ -108,7 +115,7 @@ def markdown(rows: list[dict]) -> str:
         if pub:
             figures = pub["metrics"]
             cells = [f"&nbsp;&nbsp;published: {pub['source']}", pub.get("encoder", "")]
-            cells += [f"{figures[k]:.2f}" if k in figures else "" for k, _ in columns] + [""] * 4
+            cells += [_cell(figures, k) for k, _ in columns] + [""] * 4
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -18,7 +18,8 @@ Two inputs:
   reference's numbers are reproduced without spaCy); lines without them are analysed with spaCy.
 
 The rare-name vocabularies are word lists (:func:`read_vocabulary`): one word a line, or a JSON
-list, or a JSON object whose keys are the words (a name counter written as JSON).
+list, or a JSON object whose keys are the words (a name counter written as JSON); or the
+reference's own ``name_counters.pkl`` (:func:`read_name_counters`, read without running code).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Any
 from tellkit.errors import TellkitError
 from tellkit.metrics.linguistic import linguistic_scores
 from tellkit.metrics.ner import DEFAULT_MODEL, analyse, entity_scores, load_nlp, resolve_model, scores_from_analysed
-from tellkit.utils.files import read_text
+from tellkit.utils.files import read_bytes, read_text
 
 MAX_BYTES = 1 << 31  # a test set's generations with their annotations
 
@@ -60,6 +61,21 @@ def read_vocabulary(path: str, what: str = "vocabulary") -> set[str]:
             return set(data)
         raise TellkitError(f"{what}: {path} must be a JSON list of words or an object keyed by word")
     return {w.strip() for w in text.split("\n")} - {""}
+
+
+def read_name_counters(path: str, what: str = "--name-counters") -> tuple[set[str], set[str]]:
+    """The reference's ``name_counters.pkl`` (``{"caption": Counter, "context": Counter}`` of the
+    training captions' and articles' PROPN tokens): (caption words, article words). Read by a
+    restricted unpickler that resolves ``collections.Counter`` and nothing else."""
+    import io
+
+    from tellkit.utils.safe_unpickle import restricted_load  # heavy
+
+    data = restricted_load(io.BytesIO(read_bytes(path, what, MAX_BYTES)), {"collections.Counter"}, what)
+    if not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in ("caption", "context")):
+        raise TellkitError(f"{what}: {path} is not the reference's name counters (a dict with 'caption' and "
+                           "'context' counters)")
+    return {str(w) for w in data["caption"]}, {str(w) for w in data["context"]}
 
 
 def read_generations(path: str) -> list[dict]:

@@ -679,10 +679,12 @@ class Trainer:
         self.schedule.on_eval(key)
         if dist.is_main:
             for k, v in metrics.items():
+                if v is None:  # undefined (an entity ratio of 0/0): not logged
+                    continue
                 self.eval_csv.write({"step": st.step, "epoch": st.epoch, "split": "val", "metric": k, "value": v})
                 if self.tb:
                     self.tb.add_scalar(f"val/{k}", v, st.step)
-            shown = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+            shown = ", ".join(f"{k} {v:.4g}" if v is not None else f"{k} -" for k, v in metrics.items())
             self.log(f"step {st.step} epoch {st.epoch}: val {shown}"
                      + ("  (best)" if better else f"  ({st.bad_evals} without improvement)"))
         self.save(best=better)

@@ -20,6 +20,7 @@ it); inference does not build a task, but runs the task's processor through
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,11 @@ class Task:
         for name, mode in ((self.monitor, self.monitor_mode), *self.monitor_tiebreak):
             if name not in metrics:
                 raise TellkitError(f"task '{self.name}' monitors '{name}' but validation gave {sorted(metrics)}")
-            key.append(float(metrics[name]) if mode == "max" else -float(metrics[name]))
+            value = metrics[name]
+            if value is None:  # undefined (an entity ratio of 0/0): the worst value
+                key.append(-math.inf)
+                continue
+            key.append(float(value) if mode == "max" else -float(value))
         return tuple(key)
     # DDP: True when some parameters may get no gradient in a step (unused contexts, adaptive
     # softmax tails); False is faster for models that always use every parameter

@@ -189,3 +189,10 @@ def test_functions_are_short(folder):
                 if n > limit:
                     long.append(f"{path.relative_to(SRC)}:{node.lineno} {node.name} ({n} lines)")
     assert not long, f"functions over {limit} lines:\n" + "\n".join(long)
+
+
+def test_one_module_is_named_checkpoint():
+    """Saving and loading models is ``tellkit.checkpoint``; nothing else takes a name like it
+    (a run's training states are ``training.run_states``)."""
+    named = sorted(m for m in MODULES if m.rsplit(".", 1)[-1].startswith("checkpoint"))
+    assert named == ["tellkit.checkpoint"], named

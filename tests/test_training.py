@@ -16,7 +16,7 @@ import toy_task  # noqa: E402  (registers the "toy" task and "toy_lm" model)
 
 from tellkit.errors import TellkitError  # noqa: E402
 from tellkit.recipes import train_config  # noqa: E402
-from tellkit.training import TrainConfig, checkpointing  # noqa: E402
+from tellkit.training import TrainConfig, run_states  # noqa: E402
 from tellkit.training.loop import LRSchedule, epoch_batches  # noqa: E402
 from tellkit.workflows import train_recipe as train  # noqa: E402
 
@@ -174,7 +174,7 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, monkeypatch):
     """A write that fails half-way (disk full) stops with one line; the half-written state never
     gets a final name, the previous one stays, and --resume finishes the run."""
     r = toy_task.recipe(max_epochs=1)
-    real = checkpointing.save_optimizer
+    real = run_states.save_optimizer
     calls = {"n": 0}
 
     def flaky(opt, directory):
@@ -184,14 +184,14 @@ def test_crash_while_saving_keeps_last_good_checkpoint(tmp_path, monkeypatch):
             raise OSError("disk full")
         real(opt, directory)
 
-    monkeypatch.setattr(checkpointing, "save_optimizer", flaky)
+    monkeypatch.setattr(run_states, "save_optimizer", flaky)
     with pytest.raises(TellkitError,
                        match=r"step 4 not saved \(OSError: disk full\); the last good state step_00000002"):
         run(r, tmp_path / "run", save_every_steps=2)
     ck = tmp_path / "run" / "checkpoints"
     assert (ck / "last").resolve().name == "step_00000002"
     assert not list(ck.glob("*.tmp"))  # the half-written state was removed
-    monkeypatch.setattr(checkpointing, "save_optimizer", real)
+    monkeypatch.setattr(run_states, "save_optimizer", real)
     summary = run(r, tmp_path / "run", resume=True, save_every_steps=2)
     assert summary["steps"] == 6
     assert not list(ck.glob("*.tmp"))
@@ -259,9 +259,9 @@ def test_optimizer_state_round_trip_without_pickle(tmp_path):
     opt = torch.optim.AdamW([p], lr=0.1)
     p.grad = torch.ones(3)
     opt.step()
-    checkpointing.save_optimizer(opt, tmp_path)
+    run_states.save_optimizer(opt, tmp_path)
     opt2 = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone())], lr=0.1)
-    checkpointing.load_optimizer(opt2, tmp_path)
+    run_states.load_optimizer(opt2, tmp_path)
     a, b = opt.state_dict(), opt2.state_dict()
     for k in a["state"][0]:
         assert torch.equal(a["state"][0][k], b["state"][0][k])
@@ -404,13 +404,13 @@ def test_keep_checkpoints_and_average_them(tmp_path, capsys):
 
     r = toy_task.recipe(max_epochs=3)
     s = run(r, tmp_path / "run", save_every_steps=2, keep_checkpoints=3)  # 18 steps, 6 per epoch
-    ckpts = checkpointing.CheckpointManager(tmp_path / "run")
+    ckpts = run_states.CheckpointManager(tmp_path / "run")
     assert sorted({step(p) for p in ckpts.states()}) == [14, 16, 18]
     assert ckpts.resolve("last") == ckpts.states()[0].resolve() and step(ckpts.states()[0]) == s["steps"] == 18
     newest = ckpts.newest_steps(3)
     assert [step(p) for p in newest] == [18, 16, 14]  # step 18 saved twice (periodic, evaluation): once
     run(r, tmp_path / "plain", save_every_steps=2)  # default: only last and best stay
-    assert {step(p) for p in checkpointing.CheckpointManager(tmp_path / "plain").states()} == {18}
+    assert {step(p) for p in run_states.CheckpointManager(tmp_path / "plain").states()} == {18}
 
     out = tmp_path / "avg"
     assert main(["average", str(tmp_path / "run"), "--last", "3", "--out", str(out), "--float32",

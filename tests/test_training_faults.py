@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent / "fixtures"))
 import toy_task  # noqa: E402
 
 from tellkit.errors import TellkitError  # noqa: E402
-from tellkit.training import checkpointing  # noqa: E402
+from tellkit.training import run_states  # noqa: E402
 from tellkit.workflows import train_recipe as train  # noqa: E402
 
 # 24 samples / batch 4 = 6 steps; saves: #1 step 3, #2 step 6 (periodic), #3 step 6 again (after
@@ -102,7 +102,7 @@ def test_kill_during_the_first_save_leaves_a_fresh_start_possible(ctx, reference
 def test_resave_of_a_step_never_removes_the_state_last_points_at(reference, tmp_path, monkeypatch):
     """The reported data loss, without a kill: the end-of-epoch save of step 6 (already saved
     periodically; older states pruned) fails while writing the model."""
-    real = checkpointing.save_model
+    real = run_states.save_model
     calls = {"n": 0}
 
     def dies_on_third(model, directory, extra=None):
@@ -111,10 +111,10 @@ def test_resave_of_a_step_never_removes_the_state_last_points_at(reference, tmp_
             raise RuntimeError("killed")
         return real(model, directory, extra)
 
-    monkeypatch.setattr(checkpointing, "save_model", dies_on_third)
+    monkeypatch.setattr(run_states, "save_model", dies_on_third)
     with pytest.raises(RuntimeError, match="killed"):
         run(tmp_path / "run")
-    monkeypatch.setattr(checkpointing, "save_model", real)
+    monkeypatch.setattr(run_states, "save_model", real)
     last = tmp_path / "run" / "checkpoints" / "last"
     assert json.loads((last / "trainer_state.json").read_text())["step"] == 6
     run(tmp_path / "run", resume=True)
@@ -216,13 +216,13 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_state(tmp_path, 
     cfg.write_text(yaml.safe_dump(toy_task.recipe(max_epochs=1)))
     out = tmp_path / "run"
     monkeypatch.setattr(checkpoint, "atomic_write_bytes", full_disk)
-    real_save = checkpointing.save_rng
+    real_save = run_states.save_rng
 
     def arm_after_first(directory, rank):  # the first save succeeds, the second finds the disk full
         real_save(directory, rank)
         state["armed"] = "step_00000003" not in str(directory)
 
-    monkeypatch.setattr(checkpointing, "save_rng", arm_after_first)
+    monkeypatch.setattr(run_states, "save_rng", arm_after_first)
     code = main(["train", str(cfg), "--out", str(out), "--save-every-steps", "3", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
@@ -230,7 +230,7 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_last_state(tmp_path, 
     ck = out / "checkpoints"
     assert (ck / "last").resolve().name == "step_00000003" and not list(ck.glob("*.tmp"))
     state["armed"] = False
-    monkeypatch.setattr(checkpointing, "save_rng", real_save)
+    monkeypatch.setattr(run_states, "save_rng", real_save)
     assert main(["train", str(cfg), "--out", str(out), "--resume", "--save-every-steps", "3", "--no-progress"]) == 0
 
 

@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
 
 def sources(src: list[str], last: int | None) -> list:
     from tellkit.checkpoint import resolve_checkpoint  # heavy
-    from tellkit.training.checkpointing import CheckpointManager  # heavy
+    from tellkit.training.run_states import CheckpointManager  # heavy
 
     if last is None:
         if len(src) < 2:

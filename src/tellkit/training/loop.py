@@ -52,8 +52,8 @@ from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig, train_config
 from tellkit.training import distributed
 from tellkit.training.bert_adam import BertAdam
-from tellkit.training.checkpointing import CheckpointManager, SavedState, apply_state, fits_run
 from tellkit.training.evaluation import autocast, make_loader, plain_batches, run_eval, to_device
+from tellkit.training.run_states import CheckpointManager, SavedState, apply_state, fits_run
 from tellkit.training.task import Task
 from tellkit.utils import precision
 from tellkit.utils.files import check_regular_file

@@ -45,7 +45,7 @@ IMAGE_SUFFIXES = (".png", ".bmp", ".jpg", ".jpeg")
 @dataclass
 class Expression:
     id: str
-    image: Path
+    image: Path  # or an object whose load() gives a PIL image (tellkit.data.released)
     tokens: list[str]
     raw: str = ""
     # an InkML expression's strokes and segmentation as read (so nothing reads the file again)
@@ -427,7 +427,10 @@ class CrohmeDataset(torch.utils.data.Dataset):
     def image(self, i: int) -> torch.Tensor:
         if self.render is not None:
             return self.render(self.exprs[i])
-        return load_image(self.exprs[i].image, **self.bitmap)
+        source = self.exprs[i].image
+        if not isinstance(source, Path):  # an image inside an archive or a pickle (tellkit.data.released)
+            return load_image(image=source.load(), **self.bitmap)
+        return load_image(source, **self.bitmap)
 
     def __getitem__(self, i: int) -> dict:
         e = self.exprs[i]

@@ -84,6 +84,9 @@ class InkExpression:
     symbols: list[InkSymbol] = field(default_factory=list)
     # the file's MathML truth (annotationXML) as nested (tag, id, text, children) tuples, or None
     mathml: tuple | None = None
+    # the document's own annotations, type -> text (the first of each type; MathWriting keeps
+    # its truth in ``normalizedLabel`` and ``label``)
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
 def _local(tag: str) -> str:
@@ -168,8 +171,12 @@ def parse_inkml(data: bytes | str, path: str | os.PathLike = "<inkml>", require_
     if require_truth and not truth:
         raise InkMLError(path, "no truth")
     p = Path(path)
+    notes: dict[str, str] = {}
+    for el in root:
+        if isinstance(el.tag, str) and _local(el.tag) == "annotation" and el.get("type"):
+            notes.setdefault(el.get("type", "").strip(), " ".join((el.text or "").split()))
     return InkExpression(id=p.stem, path=p, strokes=strokes, truth=truth, writer=writer,
-                         symbols=_segmentation(groups, trace_index), mathml=mathml)
+                         symbols=_segmentation(groups, trace_index), mathml=mathml, annotations=notes)
 
 
 def _mathml_tree(el, depth: int = 0) -> tuple | None:

@@ -15,10 +15,9 @@ from tellkit.config import from_dict
 from tellkit.data.crohme import ImageAugment
 from tellkit.data.ink_augment import InkAugment
 from tellkit.data.inkml import InkRenderer, RenderConfig, default_cache_dir
+from tellkit.data.layouts import INK_LAYOUTS, LAYOUTS
 from tellkit.errors import TellkitError
 from tellkit.recipes import check_limits
-
-LAYOUTS = ("inkml", "tsv", "caption")
 
 
 @dataclass
@@ -59,8 +58,13 @@ class RecognitionDataConfig:
         self.limit = check_limits(self.limit)
         if isinstance(self.extra_train, str) or not all(isinstance(x, str) and x for x in self.extra_train or []):
             raise TellkitError(f"data.extra_train must be a list of folders, got {self.extra_train!r}")
-        if self.extra_train and self.layout != "inkml":
+        if self.extra_train and self.layout not in INK_LAYOUTS:
             raise TellkitError("data.extra_train: extra training folders are read as InkML (data.layout: inkml)")
+
+    @property
+    def strokes(self) -> bool:
+        """Whether the layout is read as pen strokes and rendered (InkML, MathWriting, CROHME 2019)."""
+        return self.layout in INK_LAYOUTS
 
 
 def parse_augment(mapping: Mapping[str, Any] | None, where: str = "data.augment"):
@@ -80,9 +84,12 @@ def parse_augment(mapping: Mapping[str, Any] | None, where: str = "data.augment"
 
 
 def resolve_data_root(root: str | None) -> Path:
+    """The data folder, or a ``.zip`` archive (BTTR/CoMER's ``data.zip``, read in place)."""
     if not root:
         raise TellkitError("no CROHME data given: set data.root in the recipe, pass --data DIR, or data.root=DIR")
     p = Path(root).expanduser()
+    if p.is_file() and p.suffix.lower() == ".zip":
+        return p
     if not p.is_dir():
         raise TellkitError(f"CROHME data not found at '{root}' (data.root or --data)")
     return p
@@ -120,7 +127,7 @@ def bitmap_kwargs(data: RecognitionDataConfig, trained_on_renders: bool = False)
 def augmenter(data: RecognitionDataConfig) -> ImageAugment | None:
     """The training-image distortion of ``data.augment``, or None."""
     image, ink = parse_augment(data.augment, "data.augment")
-    if ink is not None and data.layout != "inkml":
+    if ink is not None and not data.strokes:
         raise TellkitError("data.augment: the stroke-space keys need data.layout: inkml")
     return image
 

@@ -7,7 +7,9 @@ unknown key is an error)::
     data:
       root: /data/crohme_inkml      # required: the recipe, `--data`, or `data.root=...`
       layout: inkml                 # inkml (official InkML) | tsv (PNG + raw LaTeX TSV) |
-                                    # caption (WAP/BTTR caption.txt + bitmaps)
+                                    # caption (WAP/BTTR caption.txt + bitmaps, a data.zip read
+                                    # in place, or TAMER's images.pkl) | mathwriting | hme100k |
+                                    # crohme2019 (tellkit.data.layouts)
       train: train                  # split names, see tellkit.data.crohme.load_split
       val: "2014"
       test: "2014"
@@ -46,9 +48,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tellkit.data.crohme import CrohmeDataset, collate, load_image, load_split, render_square, size_batches
+from tellkit.data.crohme import CrohmeDataset, collate, load_image, render_square, size_batches
 from tellkit.data.inkml import read_inkml
 from tellkit.data.latex import Vocab
+from tellkit.data.layouts import load_split
 from tellkit.data.recognition import (
     RecognitionDataConfig,
     augmenter,
@@ -114,7 +117,7 @@ class RecognitionProcessor(Processor):
         # InkML and strokes: the training data's renderer (no disk cache for one-off inputs)
         self.renderer = make_renderer(dataclasses.replace(self.data, cache=None))
         # bitmaps: as the training bitmaps were prepared, or brought to the renders' scale
-        self.bitmap = {**bitmap_kwargs(self.data, trained_on_renders=self.data.layout == "inkml"),
+        self.bitmap = {**bitmap_kwargs(self.data, trained_on_renders=self.data.strokes),
                        "require_ink": True}
 
     @classmethod
@@ -124,7 +127,7 @@ class RecognitionProcessor(Processor):
         data = section({"data": known_keys(meta.get("data"), RecognitionDataConfig)}, "data", RecognitionDataConfig,
                        "checkpoint data")
         if stroke_size is not None:
-            if data.layout != "inkml":
+            if not data.strokes:
                 raise TellkitError(f"stroke_size: {path} was trained on bitmaps, not on InkML renders; "
                                    "it reads images at their own size")
             data = dataclasses.replace(data, render={**data.render, "stroke_size": stroke_size})
@@ -151,7 +154,7 @@ class RecognitionProcessor(Processor):
         if path is not None and path.suffix.lower() == ".inkml":
             item = Strokes(read_inkml(path).strokes)
         if isinstance(item, Strokes):
-            if self.data.layout == "inkml":  # the renderer of the model's training data
+            if self.data.strokes:  # the renderer of the model's training data
                 return self.renderer.strokes_tensor(item)
             # a model trained on bitmaps: draw the strokes like those bitmaps (256 x 256 squares)
             return load_image(image=render_square([[tuple(p[:2]) for p in s] for s in item]), **self.bitmap)
@@ -217,7 +220,7 @@ class RecognitionTask(Task):
             raise TellkitError(f"data.{split} is not set")
         root = resolve_data_root(d.root)
         skipped: dict[str, int] = {}
-        exprs = load_split(root, str(name), d.layout, skipped)
+        exprs = load_split(root, str(name), d.layout, skipped, role=split)
         if split == "train":
             for folder in d.extra_train:
                 f = Path(folder).expanduser()
@@ -232,7 +235,7 @@ class RecognitionTask(Task):
         if limit and limit < len(exprs):
             exprs = random.Random(1234).sample(exprs, limit)
         is_train = split == "train"
-        render = make_renderer(d, root) if d.layout == "inkml" else None
+        render = make_renderer(d, root) if d.strokes else None
         return CrohmeDataset(exprs, self.vocab, bitmap=bitmap_kwargs(d),
                              max_pixels=int(d.max_pixels) if is_train else 0,
                              max_len=int(d.max_len) if is_train else 0, drop_unknown=is_train, render=render,

@@ -212,22 +212,31 @@ class _RunsCode:
         return (os.system, ("touch PWNED",))
 
 
-def test_the_restricted_unpickler_refuses_a_pickle_that_would_run_code(tmp_path, monkeypatch):
-    from tellkit.data.array_pickle import load_arrays, loads_arrays
+def test_images_pkl_that_would_run_code_is_refused_and_nothing_runs(tmp_path, monkeypatch):
+    from tellkit.data.released import ARRAY_NAMES, load_pickle_dir
+    from tellkit.utils.safe_unpickle import restricted_load
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "images.pkl").write_bytes(pickle.dumps({"a": _RunsCode()}))
-    with pytest.raises(TellkitError, match=r"refused: the pickle names posix\.system"):
-        load_arrays(tmp_path / "images.pkl")
+    d = tmp_path / "2014"
+    d.mkdir()
+    (d / "caption.txt").write_text("a\tx\n", encoding="utf-8")
+    (d / "images.pkl").write_bytes(pickle.dumps({"a": _RunsCode()}))
+    with pytest.raises(TellkitError, match=r"images.pkl: the pickle names posix\.system"):
+        load_pickle_dir(d)
     assert not (tmp_path / "PWNED").exists()
+    (d / "images.pkl").write_bytes(b"cbuiltins\neval\n(S'1+1'\ntR.")
     with pytest.raises(TellkitError, match="names builtins.eval"):
-        loads_arrays(b"cbuiltins\neval\n(S'1+1'\ntR.")
-    with pytest.raises(TellkitError, match="objects"):
-        loads_arrays(pickle.dumps(np.array([1, "x"], dtype=object)))
-    # what it accepts: arrays (any protocol), numpy numbers, strings, plain containers
+        load_pickle_dir(d)
+    (d / "images.pkl").write_bytes(pickle.dumps({"a": np.array([1, "x"], dtype=object)}))
+    with pytest.raises(TellkitError, match="no image array for 'a'"):
+        load_pickle_dir(d)[0].image.load()
+    # what it accepts: arrays in every protocol's spelling, numpy numbers, strings, plain containers
     for proto in (2, 4, 5):
-        got = loads_arrays(pickle.dumps({"a": np.arange(6, dtype=np.uint8).reshape(2, 3), "n": np.float32(2.5),
-                                         "s": "text", "l": [1, 2.0]}, protocol=proto))
+        import io
+
+        blob = pickle.dumps({"a": np.arange(6, dtype=np.uint8).reshape(2, 3), "n": np.float32(2.5), "s": "text",
+                             "l": [1, 2.0]}, protocol=proto)
+        got = restricted_load(io.BytesIO(blob), ARRAY_NAMES, "t.pkl")
         assert got["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and got["n"] == 2.5 and got["s"] == "text"
 
 

@@ -6,8 +6,9 @@
   and the images ``<id>.bmp``. Each image is read from the archive when the dataset asks for it;
   a member that would inflate past :data:`MAX_MEMBER_BYTES` is refused.
 * TAMER / ICAL's folders: ``<split>/images.pkl`` (a pickled dict ``{id: uint8 array}``) beside
-  ``<split>/caption.txt``, read through the restricted unpickler of
-  :mod:`tellkit.data.array_pickle` (numpy arrays, numbers and strings only; nothing runs).
+  ``<split>/caption.txt``, read through :func:`tellkit.utils.safe_unpickle.restricted_load`
+  with numpy's array names only (arrays, numbers and strings; any other name in the file is
+  refused before anything is imported or called).
 """
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from tellkit.data.array_pickle import load_arrays
 from tellkit.data.crohme import IMAGE_SUFFIXES, Expression
 from tellkit.data.latex import normalize
 from tellkit.errors import TellkitError
 from tellkit.utils.images import ImageError, open_image
+from tellkit.utils.safe_unpickle import NUMPY_ARRAYS, restricted_load
 
 MAX_MEMBER_BYTES = 64 << 20  # an image or caption file larger than this inflated is refused
+# numpy's array names, and those of the other pickle protocols' spellings of arrays and bytes
+# (protocol 5's in-band buffers, protocol 2's latin-1 strings)
+ARRAY_NAMES = NUMPY_ARRAYS | {"numpy._core.numeric._frombuffer", "numpy.core.numeric._frombuffer", "_codecs.encode"}
 _OPEN: dict[tuple[str, int], zipfile.ZipFile] = {}  # one handle per archive and process
 
 
@@ -133,13 +137,14 @@ def load_pickle_dir(folder: str | os.PathLike) -> list[Expression]:
     d = Path(folder)
     if not (d / "caption.txt").is_file():
         raise TellkitError(f"{d}: images.pkl without caption.txt")
-    images = load_arrays(d / "images.pkl")
+    with open(d / "images.pkl", "rb") as f:
+        images = restricted_load(f, ARRAY_NAMES, str(d / "images.pkl"))
     if not isinstance(images, dict):
         raise TellkitError(f"{d / 'images.pkl'}: expected a dict of image arrays, got a {type(images).__name__}")
 
     def image_of(key: str) -> ArrayImage:
         a = images.get(key, images.get(f"{key}.bmp"))
-        if not isinstance(a, np.ndarray):
+        if not isinstance(a, np.ndarray) or a.dtype.hasobject:
             raise TellkitError(f"{d / 'images.pkl'}: no image array for '{key}'")
         return ArrayImage(f"{d / 'images.pkl'}[{key}]", a)
 

@@ -23,6 +23,7 @@ reference's own ``name_counters.pkl`` (:func:`read_name_counters`, read without 
 """
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -31,6 +32,7 @@ from tellkit.errors import TellkitError
 from tellkit.metrics.linguistic import linguistic_scores
 from tellkit.metrics.ner import DEFAULT_MODEL, analyse, entity_scores, load_nlp, resolve_model, scores_from_analysed
 from tellkit.utils.files import read_bytes, read_text
+from tellkit.utils.safe_unpickle import restricted_load
 
 MAX_BYTES = 1 << 31  # a test set's generations with their annotations
 
@@ -67,10 +69,6 @@ def read_name_counters(path: str, what: str = "--name-counters") -> tuple[set[st
     """The reference's ``name_counters.pkl`` (``{"caption": Counter, "context": Counter}`` of the
     training captions' and articles' PROPN tokens): (caption words, article words). Read by a
     restricted unpickler that resolves ``collections.Counter`` and nothing else."""
-    import io
-
-    from tellkit.utils.safe_unpickle import restricted_load  # heavy
-
     data = restricted_load(io.BytesIO(read_bytes(path, what, MAX_BYTES)), {"collections.Counter"}, what)
     if not isinstance(data, dict) or not all(isinstance(data.get(k), dict) for k in ("caption", "context")):
         raise TellkitError(f"{what}: {path} is not the reference's name counters (a dict with 'caption' and "

@@ -108,22 +108,24 @@ def test_runaway_answers_are_unsure_whatever_their_score():
 
 
 def test_recognition_pipeline_stops_runaway_searches(tiny_reader, monkeypatch):
-    """Inference searches run with the runaway stop on (evaluation keeps the reference search)."""
+    """The stored generation setting (default: on) gives the search the recognition policy,
+    judged on the best live hypothesis; ``stop_runaways=False`` runs the reference search."""
     path, image = tiny_reader
-    pipe = RecognitionPipeline.load(path)
     seen = []
-    real = pipe.processor.generate
+    pipe = RecognitionPipeline.load(path)
+    real = pipe.model.generate
 
     def spy(*a, **k):
-        seen.append(runaway.active())
+        seen.append(k.get("stop"))
         return real(*a, **k)
 
-    monkeypatch.setattr(pipe.processor, "generate", spy)
+    monkeypatch.setattr(pipe.model, "generate", spy)
     pipe(image)
-    assert seen and isinstance(seen[0], runaway.RunawayStop) and seen[0].best_only
-    with runaway.stopping_runaways(runaway.RunawayStop(floor=-3.0)) as own:  # a caller's own policy stands
-        pipe(image)
-    assert seen[-1] is own
+    assert isinstance(seen[-1], runaway.RunawayStop) and seen[-1].best_only
+    off = RecognitionPipeline.load(path, stop_runaways=False)
+    monkeypatch.setattr(off.model, "generate", spy)
+    off(image)
+    assert seen[-1] is None
 
 
 # --- a checkpoint without calibration ------------------------------------------------------------------

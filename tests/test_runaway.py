@@ -1,11 +1,12 @@
 """Runaway outputs (tellkit.decoding.runaway): the check itself, and BTTR's joint search ending a
-runaway search early only where a caller turned the check on."""
+runaway search early only when it is given a policy (``stop=``), which the recognition
+generation config's ``stop_runaways`` turns on for every entry point."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tellkit.decoding.runaway import RunawayStop, active, stopping_runaways
+from tellkit.decoding.runaway import RunawayStop
 
 NEG = float("-inf")
 
@@ -33,14 +34,7 @@ def test_bad_policies_are_refused(kw):
         RunawayStop(**kw)
 
 
-def test_the_check_is_scoped_to_the_block():
-    assert active() is None
-    with stopping_runaways(RunawayStop(floor=-2.0)) as p:
-        assert active() is p
-    assert active() is None
-
-
-def test_the_joint_search_stops_runaways_only_inside_the_block():
+def test_the_joint_search_stops_runaways_only_when_given_a_policy():
     from tellkit.registry import create_model
 
     torch.manual_seed(0)
@@ -48,11 +42,34 @@ def test_the_joint_search_stops_runaways_only_inside_the_block():
     image = torch.rand(2, 1, 32, 48)
     free = model.generate(image, beam_size=3, max_len=16)
     assert model.generate(image, beam_size=3, max_len=16) == free  # deterministic
-    with stopping_runaways(RunawayStop(floor=-1e-3, after=3)):
-        cut = model.generate(image, beam_size=3, max_len=16)
+    cut = model.generate(image, beam_size=3, max_len=16, stop=RunawayStop(floor=-1e-3, after=3))
     assert max(len(t) for t in free["tokens"]) > 3  # a random model runs on
     assert all(len(t) <= 3 for t in cut["tokens"]), cut["tokens"]
-    assert model.generate(image, beam_size=3, max_len=16) == free  # and the block leaves nothing behind
+    assert model.generate(image, beam_size=3, max_len=16) == free  # the policy is per call
+
+
+def test_the_generation_setting_gives_the_search_its_policy(monkeypatch):
+    """``stop_runaways`` (default on) reaches the search as the recognition policy; off, the
+    search gets none; a value that is not a boolean is a one-line error."""
+    from tellkit.errors import TellkitError
+    from tellkit.tasks.recognition import RecognitionEvalConfig, RecognitionGeneration, RecognitionProcessor
+
+    proc, seen = RecognitionProcessor(), []
+
+    class Model:
+        def generate(self, image, mask, **kw):
+            seen.append(kw)
+            return {"tokens": [[]], "scores": [0.0]}
+
+    batch = {"image": torch.zeros(1, 1, 8, 8), "image_mask": torch.ones(1, 8, 8, dtype=torch.bool)}
+    proc.generate(Model(), batch, RecognitionGeneration())
+    proc.generate(Model(), batch, RecognitionGeneration(stop_runaways=False))
+    on, off = seen
+    assert isinstance(on["stop"], RunawayStop) and on["stop"].best_only and on["stop"].max_depth
+    assert off["stop"] is None and "stop_runaways" not in on
+    assert RecognitionEvalConfig.from_section({"stop_runaways": False}).stop_runaways is False
+    with pytest.raises(TellkitError, match="stop_runaways"):
+        RecognitionGeneration(stop_runaways="yes")
 
 
 def test_a_cycle_of_few_tokens_is_a_runaway_but_crohme_like_text_is_not():

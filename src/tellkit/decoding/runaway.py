@@ -23,19 +23,16 @@ hypothesis of a search has run away:
 
 A search that is stopped keeps what it has finished, else its best live hypothesis as it stands
 (the caller decides; BTTR's joint search, :mod:`tellkit.models.bttr_search`, treats it like a
-search that reached ``max_len``). The check is off unless a caller turns it on for the calls it
-makes (:func:`stopping_runaways`, e.g. the server's model worker thread); evaluation keeps the
-reference search. The default floor and repeat count left every search over the 986 expressions
-of CROHME 2014 test untouched with an earlier packaged BTTR model, and the recognition pipeline's
-rules (depth included) leave the answers to the validation 400 and to 200 CROHME 2012
-expressions unchanged with the present one (docs/server.md gives the measurements).
+search that reached ``max_len``). The policy is a generation setting, like a stopping criterion:
+a search applies the one it is given (``stop=`` of ``model.generate``), and a task whose
+generation config has ``stop_runaways`` on builds it for its vocabulary (recognition:
+:func:`latex_policy`, judged on the best live hypothesis), so evaluation, the commands, the server
+and ``tellkit.pipeline`` stop the same searches and give the same answers. The rules are set far from
+real handwriting (docs/server.md gives what they were measured on).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -119,22 +116,3 @@ def latex_policy(stoi: dict[str, int], **options) -> RunawayStop:
     if not (openers and closers):
         return RunawayStop(**options)
     return RunawayStop(max_depth=LATEX_MAX_DEPTH, openers=openers, closers=closers, **options)
-
-
-_ACTIVE: contextvars.ContextVar[RunawayStop | None] = contextvars.ContextVar("tellkit_runaway", default=None)
-
-
-def active() -> RunawayStop | None:
-    """The policy searches in this thread (context) apply, or None (search to ``max_len``)."""
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def stopping_runaways(policy: RunawayStop | None = None) -> Iterator[RunawayStop]:
-    """Searches run inside this block stop runaway outputs by ``policy`` (default: RunawayStop())."""
-    policy = policy or RunawayStop()
-    token = _ACTIVE.set(policy)
-    try:
-        yield policy
-    finally:
-        _ACTIVE.reset(token)

@@ -30,6 +30,7 @@ from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
 from tellkit.data.latex import EOS_ID, PAD_ID, SOS_ID
+from tellkit.decoding.runaway import RunawayStop
 from tellkit.decoding.state import IncrementalDecoder, RowContext, reorder_state
 from tellkit.errors import TellkitError
 from tellkit.layers import rows
@@ -597,13 +598,15 @@ class BTTR(nn.Module, PretrainedMixin):
     @torch.no_grad()
     def generate(self, image: torch.Tensor, image_mask: torch.Tensor | None = None, beam_size: int | None = None,
                  max_len: int | None = None, bidirectional: bool = True, rescore: bool = True,
-                 use_cache: bool = True, alpha: float | None = None) -> dict[str, Any]:
-        """Approximate joint search (see :mod:`tellkit.models.bttr_search`).
+                 use_cache: bool = True, alpha: float | None = None,
+                 stop: RunawayStop | None = None) -> dict[str, Any]:
+        """Approximate joint search (see :mod:`tellkit.models.bttr_search`); ``stop``: a runaway
+        policy that ends a search early (:mod:`tellkit.decoding.runaway`).
         -> {"tokens": list[list[int]] (no sos/eos), "scores": list[float]}"""
         c = self.config
         return joint_search(self, image, image_mask, beam_size=beam_size or c.beam_size,
                             max_len=max_len or c.max_len, alpha=c.alpha if alpha is None else alpha,
-                            bidirectional=bidirectional, rescore=rescore, use_cache=use_cache)
+                            bidirectional=bidirectional, rescore=rescore, use_cache=use_cache, stop=stop)
 
 
 class _BTTRIncremental:

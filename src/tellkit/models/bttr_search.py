@@ -38,7 +38,7 @@ import torch
 from tellkit.data.latex import EOS_ID as EOS
 from tellkit.data.latex import PAD_ID as PAD
 from tellkit.data.latex import SOS_ID as SOS
-from tellkit.decoding import runaway as _runaway
+from tellkit.decoding.runaway import RunawayStop
 
 NEG = float("-inf")
 
@@ -46,7 +46,7 @@ NEG = float("-inf")
 @torch.no_grad()
 def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: torch.Tensor, end: torch.Tensor,
                 beam_size: int, max_len: int, use_cache: bool = True, owner: torch.Tensor | None = None,
-                incomplete: set | None = None) -> list[list[tuple[list[int], float]]]:
+                incomplete: set | None = None, stop: RunawayStop | None = None) -> list[list[tuple[list[int], float]]]:
     """Batched beam search for N independent searches.
 
     ``start`` / ``end`` [N]: first token and end token per search (so both directions can share
@@ -55,7 +55,9 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
     Padding and the start token are never generated. Returns, per search, up to ``beam_size``
     (tokens without start/end, sum of log-probabilities including the end token). A search
     that ends without one (``max_len``, a runaway) keeps its best live hypothesis, whose score
-    has no end token; ``incomplete``, when given, receives (search, tuple(tokens)) of those."""
+    has no end token; ``incomplete``, when given, receives (search, tuple(tokens)) of those.
+    ``stop``: a runaway policy (:mod:`tellkit.decoding.runaway`) that ends a search early; None:
+    every search runs until it finishes or reaches ``max_len``."""
     n, k = start.shape[0], beam_size
     dev = memory.device
     owner = torch.arange(n, device=dev) if owner is None else owner.to(dev)
@@ -70,7 +72,6 @@ def beam_search(model, memory: torch.Tensor, memory_mask: torch.Tensor, start: t
     alive = list(range(n))  # global ids of the running searches, in order
     finished: list[list[tuple[list[int], float]]] = [[] for _ in range(n)]
     ar = torch.arange(k, device=dev)[None]
-    stop = _runaway.active()  # a caller may stop runaway outputs early (decoding/runaway.py)
     for _ in range(max_len):
         m = len(alive)
         lp = decoder.step(prefix)  # [rows, V], float32
@@ -133,11 +134,12 @@ def _unfinished(finished: list, incomplete: set | None, search: int, tokens: tor
 @torch.no_grad()
 def joint_search(model, image: torch.Tensor, image_mask: torch.Tensor | None = None, *, beam_size: int = 10,
                  max_len: int = 200, alpha: float = 1.0, bidirectional: bool = True, rescore: bool = True,
-                 use_cache: bool = True) -> dict[str, Any]:
+                 use_cache: bool = True, stop: RunawayStop | None = None) -> dict[str, Any]:
     """-> {"tokens": per image the best hypothesis (left-to-right, no sos/eos), "scores": its score}.
 
     ``bidirectional=False, rescore=False`` is plain left-to-right beam search (its score is the
-    sum of log-probabilities, not normalised); with ``beam_size=1`` that is greedy decoding."""
+    sum of log-probabilities, not normalised); with ``beam_size=1`` that is greedy decoding.
+    ``stop``: the runaway policy that ends a search early (see :func:`beam_search`)."""
     encode = getattr(model, "encode_by_size", model.encode)
     memory, mmask = encode(image, image_mask)
     b = memory.shape[0]
@@ -149,7 +151,7 @@ def joint_search(model, image: torch.Tensor, image_mask: torch.Tensor | None = N
     end = torch.tensor([EOS, SOS][:dirs] * b, device=dev)
     incomplete: set = set()
     hyps = beam_search(model, memory, mmask, start, end, beam_size, max_len, use_cache, owner=owner,
-                       incomplete=incomplete)
+                       incomplete=incomplete, stop=stop)
 
     # per image: (own score, tokens in left-to-right order, the direction that found them)
     cands: list[list[tuple[float, list[int], int]]] = [[] for _ in range(b)]

@@ -13,9 +13,9 @@ its typed generation settings (the stored ``eval`` section with the overrides gi
 in batches through :meth:`preprocess` (inputs to the model's batch), :meth:`forward` (the
 model's ``generate``, in autocast when a reduced ``dtype`` was asked for: weights stay float32)
 and :meth:`postprocess` (outputs to results: ``{"text": ..., extras}``; a result may carry any
-further fields). ``forward`` goes through :attr:`Pipeline.runtime` when one is set: another
-runtime (an exported graph, say) takes ``(batch, generation, **options)`` and returns what
-``model.generate`` would.
+further fields). ``forward`` calls ``generate`` on :attr:`Pipeline.runner`: the model itself, or
+the same model on another runtime (its ONNX graphs under ONNX Runtime), chosen by
+:meth:`Pipeline.load` (``runtime=``) as evaluation chooses it (:mod:`tellkit.runtime`).
 
 ``info`` says which model runs (task, family, checkpoint, trained or not, parameters), on which
 device, in which dtype (and why not the one asked for), with which generation settings.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -101,7 +101,7 @@ class Pipeline:
 
     def __init__(self, model, processor: Processor, generation: GenerationSettings, *,
                  info: Mapping[str, Any] | None = None, device: str | torch.device = "cpu",
-                 precision: precisions.Precision | None = None, batch_size: int = 8):
+                 precision: precisions.Precision | None = None, batch_size: int = 8, runner: Any = None):
         self.model = model.eval()
         self.processor = processor
         self.generation = generation
@@ -110,8 +110,8 @@ class Pipeline:
         if isinstance(batch_size, bool) or int(batch_size) < 1:
             raise TellkitError(f"batch size must be at least 1, got {batch_size}")
         self.batch_size = int(batch_size)
-        # another runtime for forward: (batch, generation, **options) -> what model.generate returns
-        self.runtime: Callable[..., Mapping[str, Any]] | None = None
+        # what forward's ``generate`` runs on: the model, or its graphs on another runtime
+        self.runner = self.model if runner is None else runner
         self.info: dict[str, Any] = {"name": getattr(model, "family", type(model).__name__),
                                      "parameters": sum(p.numel() for p in model.parameters()), **(info or {}),
                                      "task": self.task, "device": str(self.device), "dtype": self.precision.name}
@@ -156,10 +156,9 @@ class Pipeline:
         processor = cls.build_processor(meta, path, dev, **proc_opts)
         net = load_model(path, map_location=dev).float()
         processor.check(net, generation)
-        pipe = cls(net, processor, generation, info=checkpoint_info(meta["family"], path, meta), device=dev,
-                   precision=granted, batch_size=cls.stored_batch_size(processor, meta))
-        runtimes.attach(pipe, runtime, path, meta)
-        return pipe
+        runner, ran_on = runtimes.generating_model(net, runtime, path, meta, processor, device=dev, dtype=dtype)
+        return cls(net, processor, generation, info={**checkpoint_info(meta["family"], path, meta), **ran_on},
+                   device=dev, precision=granted, batch_size=cls.stored_batch_size(processor, meta), runner=runner)
 
     @classmethod
     def build_processor(cls, meta: Mapping[str, Any], path: Path, device: torch.device, **options: Any) -> Processor:
@@ -206,11 +205,9 @@ class Pipeline:
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
     def forward(self, batch: Mapping[str, Any], **extra: Any) -> Mapping[str, Any]:
-        """The model's ``generate`` with the pipeline's generation settings and ``extra`` keyword
-        arguments (or :attr:`runtime`)."""
-        if self.runtime is not None:
-            return self.runtime(batch, self.generation, **extra)
-        return self.processor.generate(self.model, batch, self.generation, self.precision, **extra)
+        """``generate`` of :attr:`runner` (the model, on the runtime :meth:`load` chose) with the
+        pipeline's generation settings and ``extra`` keyword arguments."""
+        return self.processor.generate(self.runner, batch, self.generation, self.precision, **extra)
 
     def generate_options(self, **options: Any) -> dict[str, Any]:
         """Keyword arguments of ``generate`` beyond the generation settings, from the call's

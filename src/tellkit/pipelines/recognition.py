@@ -11,18 +11,18 @@ through the renderer of the training data (:mod:`tellkit.data.inkml`); bitmaps a
 bitmap loader (ink found in either polarity, cropped to the ink, scaled as in training; for a
 model trained on InkML renders, brought to the scale of those renders). The joint search runs
 with the whole stored search setting (``eval:``: beam size, length, alpha, bidirectional,
-rescore), over size-sorted batches. A search is stopped early once its best live hypothesis runs
+rescore), over size-sorted batches; a search is stopped early once its best live hypothesis runs
 away (one token or a few repeated over and over, or groups nested deeper than any training
-expression: a photo given to the formula reader; :mod:`tellkit.decoding.runaway`), and every
-answer says how sure it is (``confidence``, ``unsure``: :mod:`tellkit.decoding.confidence`); a
-runaway answer is always unsure.
+expression: a photo given to the formula reader), as the stored ``stop_runaways`` setting says
+(on unless the recipe turned it off: :class:`~tellkit.tasks.recognition.RecognitionGeneration`),
+in evaluation as here. Every answer says how sure it is (``confidence``, ``unsure``:
+:mod:`tellkit.decoding.confidence`); a runaway answer is always unsure.
 
 Also names the project's own sample expression (``assets/samples/bttr_x2_plus_1.{inkml,png}``,
 hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
-from tellkit.decoding.runaway import RunawayStop, active, latex_policy, stopping_runaways
 from tellkit.pipelines.base import Pipeline
 from tellkit.recipes import ASSETS
 from tellkit.registry import create_model
@@ -44,19 +44,6 @@ class RecognitionPipeline(Pipeline):
     families = ("bttr", "comer")
     processor_class = RecognitionProcessor
     processor_options = ("stroke_size",)
-
-    def forward(self, batch, **extra):
-        """The search, stopped early once its best live hypothesis has run away
-        (:meth:`runaway_policy`), unless the caller set its own policy (the server's)."""
-        if active() is not None:
-            return super().forward(batch, **extra)
-        with stopping_runaways(self.runaway_policy()):
-            return super().forward(batch, **extra)
-
-    def runaway_policy(self) -> RunawayStop:
-        """Repeats, cycles and LaTeX groups nested deeper than any training expression
-        (:func:`~tellkit.decoding.runaway.latex_policy`), judged on the best live hypothesis."""
-        return latex_policy(self.processor.vocab.stoi, best_only=True)
 
     def postprocess(self, outputs, batch, **options):
         return self.processor.decode(outputs, batch, max_len=self.generation.max_len, **options)

@@ -1,8 +1,8 @@
 """Where a model's forward computation runs: PyTorch (``torch``, the default) or ONNX Runtime
-(``onnx``, the ``onnx`` extra), behind one switch of the pipelines (``runtime=`` of
-:meth:`tellkit.pipelines.base.Pipeline.load` and ``tellkit.pipeline``), of evaluation
-(:func:`tellkit.workflows.evaluate.evaluate_checkpoint`) and of ``tellkit recognize / caption /
-evaluate --runtime``.
+(``onnx``, the ``onnx`` extra). :meth:`tellkit.pipelines.base.Pipeline.load` (``runtime=``, also
+of ``tellkit.pipeline`` and ``tellkit recognize / caption --runtime``) and evaluation
+(``tellkit evaluate --runtime``) choose it the same way, through :func:`generating_model`: the
+model whose ``generate`` the task's processor calls.
 
 - :mod:`tellkit.runtime.graphs`: the model pieces that are exported (encoders, one decoder step
   with its state as inputs and outputs, BTTR's rescoring pass).
@@ -62,26 +62,18 @@ def bind(model, processor) -> None:
             bundle.image_encoder = OnnxImageEncoder(current, model)
 
 
-class ProcessorRuntime:
-    """A pipeline's :attr:`~tellkit.pipelines.base.Pipeline.runtime`: the processor's
-    ``generate`` with the ONNX model in place of the PyTorch one."""
-
-    def __init__(self, processor, model):
-        self.processor, self.model = processor, model
-
-    def __call__(self, batch, generation, **extra):
-        return self.processor.generate(self.model, batch, generation, None, **extra)
-
-
-def attach(pipe, runtime: str | None, path: str | os.PathLike, meta: dict[str, Any],
-           threads: int | None = None) -> None:
-    """Run ``pipe``'s model through ``runtime`` ('torch': nothing changes)."""
-    if check_runtime(runtime, device=pipe.device, dtype=pipe.precision.name) == "torch":
-        return
-    model = onnx_model(path, meta, threads)
-    bind(model, pipe.processor)
-    pipe.runtime = ProcessorRuntime(pipe.processor, model)
-    pipe.info.update(runtime="onnx", onnx=str(model.folder))
+def generating_model(model, runtime: str | None, path: str | os.PathLike, meta: dict[str, Any], processor, *,
+                     device: Any = None, dtype: str | None = None, threads: int | None = None):
+    """The model whose ``generate`` a pipeline's or the evaluator's searches call, for ``runtime``:
+    ``model`` itself ('torch', None), or the ONNX Runtime model of the checkpoint at ``path``
+    with ``processor``'s own network bound to its graphs (:func:`bind`). The processor, the
+    search and the decoding stay the same. -> (that model, what the pipeline's ``info`` adds:
+    nothing for torch; ``runtime`` and ``onnx``, the graphs' folder, for ONNX)."""
+    if check_runtime(runtime, device=device, dtype=dtype) == "torch":
+        return model, {}
+    onnx = onnx_model(path, meta, threads)
+    bind(onnx, processor)
+    return onnx, {"runtime": "onnx", "onnx": str(onnx.folder)}
 
 
 class WithRuntime:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tellkit.checkpoint import read_checkpoint_config
+from tellkit.decoding.runaway import RunawayStop
 from tellkit.errors import TellkitError
 from tellkit.layers.attention import RowGroups
 from tellkit.models.baselines.common import attention_lists, context_set, search
@@ -158,14 +159,14 @@ class OnnxBTTR(OnnxModel):
 
     def generate(self, image: torch.Tensor, image_mask: torch.Tensor | None = None, beam_size: int | None = None,
                  max_len: int | None = None, bidirectional: bool = True, rescore: bool = True,
-                 use_cache: bool = True, alpha: float | None = None) -> dict[str, Any]:
+                 use_cache: bool = True, alpha: float | None = None, stop: RunawayStop | None = None) -> dict[str, Any]:
         """The joint search of :meth:`tellkit.models.bttr.BTTR.generate`, over the graphs."""
         c = self.config
         return joint_search(self, image.cpu(), None if image_mask is None else image_mask.cpu(),
                             beam_size=beam_size or int(c.get("beam_size", 10)),
                             max_len=max_len or int(c.get("max_len", 200)),
                             alpha=float(c.get("alpha", 1.0)) if alpha is None else alpha,
-                            bidirectional=bidirectional, rescore=rescore, use_cache=use_cache)
+                            bidirectional=bidirectional, rescore=rescore, use_cache=use_cache, stop=stop)
 
 
 class _IncrementalBTTR:

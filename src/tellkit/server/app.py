@@ -32,7 +32,6 @@ from typing import Any
 
 from tellkit import __version__
 from tellkit.data.inkml import MAX_COORDINATE
-from tellkit.decoding.runaway import RunawayStop, latex_policy, stopping_runaways
 from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import Strokes
 from tellkit.server.backends import batch_function, bound_generation, public_info
@@ -348,8 +347,7 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         if backend is not None:  # the search bounded, and fewer images per pass for a wide beam
             batch = max(1, min(max_batch, limits.max_search_rows // bound_generation(backend, limits)))
             small = limits.memory_budget_bytes // 4 if name == "math" else None  # drawings beside a large input
-            run = _stopping_runaways(_batch_fn(name, backend), _runaway_policy(name, backend))
-            workers[name] = BatchWorker(name, run, batch, max_wait_ms / 1000,
+            workers[name] = BatchWorker(name, _batch_fn(name, backend), batch, max_wait_ms / 1000,
                                         limits.max_queue, budget=budget, small_lane_bytes=small)
             costs[name] = InputCost(name, backend)
     models = {"caption": public_info(captioner), "math": public_info(recognizer)}
@@ -380,22 +378,6 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
 def _batch_fn(name: str, backend):
     """What the endpoint's worker calls with a batch of items."""
     return batch_function(name, backend)
-
-
-def _runaway_policy(name: str, backend) -> RunawayStop | None:
-    """The math worker also ends searches whose every live hypothesis nests LaTeX groups deeper
-    than any training expression; the other workers use the default rules."""
-    vocab = getattr(getattr(backend, "processor", None), "vocab", None)
-    return latex_policy(vocab.stoi) if name == "math" and vocab is not None else None
-
-
-def _stopping_runaways(fn, policy: RunawayStop | None = None):
-    """``fn`` with runaway outputs stopped early (:mod:`tellkit.decoding.runaway`): a request
-    that the model cannot read costs a few dozen tokens of search, not ``max_len``."""
-    def run(items):
-        with stopping_runaways(policy):
-            return fn(items)
-    return run
 
 
 class InputCost:

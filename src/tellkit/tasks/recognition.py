@@ -27,6 +27,7 @@ unknown key is an error)::
       limit: {train: N, val: N, test: N}   # optional seeded subsets (omitted or null = all)
       extra_train: [DIR, ...]       # more InkML folders joining the training split (absolute or under root)
     eval: {beam_size: 10, max_len: 200, alpha: 1.0, bidirectional: true, rescore: true,
+           stop_runaways: true,            # end a search whose best hypothesis ran away
            batch_size: 16}                 # images per search batch (val/test; no pixel cap)
 
 The model is validated (and selected, and its lr reduced on plateau) on ExpRate.
@@ -62,6 +63,7 @@ from tellkit.data.recognition import (
     resolve_data_root,
 )
 from tellkit.decoding import confidence as confidences
+from tellkit.decoding.runaway import RunawayStop, latex_policy
 from tellkit.errors import TellkitError
 from tellkit.metrics.exprate import breakdown, edit_distance, exprate
 from tellkit.recipes import GenerationSettings, known_keys, section
@@ -75,17 +77,25 @@ MAX_INPUT_PIXELS = 40_000_000
 
 @dataclass
 class RecognitionGeneration(GenerationSettings):
-    """How a BTTR model searches: the joint bidirectional beam search (``model.generate``)."""
+    """How a BTTR model searches: the joint bidirectional beam search (``model.generate``), and
+    when it stops: ``stop_runaways`` ends a search once its best live hypothesis has run away
+    (one token or a few repeated over and over, LaTeX groups nested deeper than any training
+    expression, a score under the floor: :func:`~tellkit.decoding.runaway.latex_policy`), as for
+    a photo given to the formula reader; false: every search runs to its end or ``max_len`` (the
+    reference search). One setting for evaluation, the commands, the server and the pipelines."""
 
     beam_size: int = 10
     max_len: int = 200
     alpha: float = 1.0  # length normalisation exponent
     bidirectional: bool = True
     rescore: bool = True
+    stop_runaways: bool = True
 
     def __post_init__(self) -> None:
         if self.max_len is None:
             raise TellkitError("generation: max_len must be a whole number, got None")
+        if not isinstance(self.stop_runaways, bool):
+            raise TellkitError(f"generation: stop_runaways must be true or false, got {self.stop_runaways!r}")
         self._check_search()
 
 
@@ -179,7 +189,15 @@ class RecognitionProcessor(Processor):
 
     # --- the model and its output ------------------------------------------------------------------
     def call_generate(self, model, batch, kwargs):
-        return model.generate(batch["image"], batch["image_mask"], **kwargs)
+        """The joint search, given the runaway policy of this vocabulary when the generation
+        config stops runaways (the search itself knows no vocabulary)."""
+        stop = self.runaway_policy() if kwargs.pop("stop_runaways", False) else None
+        return model.generate(batch["image"], batch["image_mask"], **kwargs, stop=stop)
+
+    def runaway_policy(self) -> RunawayStop:
+        """Repeats, cycles, LaTeX groups nested deeper than any training expression and the score
+        floor (:func:`~tellkit.decoding.runaway.latex_policy`), judged on the best live hypothesis."""
+        return latex_policy(self.vocab.stoi, best_only=True)
 
     def decode(self, outputs, batch, max_len: int | None = None, **options) -> list[dict[str, Any]]:
         """``max_len``: the search's length limit (an answer that reached it ran away)."""
@@ -206,7 +224,8 @@ class RecognitionTask(Task):
         self.eval = section(self.recipe, "eval", RecognitionEvalConfig)
         self.generation = self.eval.generation
         self.batch_size = int(section(self.recipe, "train").get("batch_size", 8))
-        self.processor = RecognitionProcessor(self.data)
+        # a checkpoint's recipe carries its calibration: evaluation says "unsure" as inference does
+        self.processor = RecognitionProcessor(self.data, calibration=confidences.from_meta(self.recipe))
         self.vocab = self.processor.vocab
         self.skipped: dict[str, dict[str, int]] = {}  # split -> reason -> files skipped
 
@@ -263,7 +282,8 @@ class RecognitionTask(Task):
         for i, res in enumerate(self.processor.decode(out, batch, max_len=self.generation.max_len)):
             hyp, ref = res["tokens"], list(batch["tokens"][i])
             preds.append({"id": batch["ids"][i], "prediction": res["text"], "reference": " ".join(ref),
-                          "score": res["score"], "distance": edit_distance(hyp, ref), "correct": hyp == ref})
+                          "score": res["score"], "confidence": res["confidence"], "unsure": res["unsure"],
+                          "distance": edit_distance(hyp, ref), "correct": hyp == ref})
         return preds
 
     def score(self, predictions):

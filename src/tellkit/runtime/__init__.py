@@ -74,30 +74,3 @@ def generating_model(model, runtime: str | None, path: str | os.PathLike, meta: 
     onnx = onnx_model(path, meta, threads)
     bind(onnx, processor)
     return onnx, {"runtime": "onnx", "onnx": str(onnx.folder)}
-
-
-class WithRuntime:
-    """A PyTorch model whose ``generate`` runs on another runtime (evaluation: the loss is still
-    the PyTorch model's); every other attribute is the model's."""
-
-    def __init__(self, model, runtime_model):
-        self.__dict__.update(_model=model, _runtime=runtime_model)
-
-    def __getattr__(self, name: str):
-        return getattr(self.__dict__["_model"], name)
-
-    def __call__(self, *args, **kwargs):
-        return self._model(*args, **kwargs)
-
-    def generate(self, *args, **kwargs):
-        return self._runtime.generate(*args, **kwargs)
-
-
-def for_evaluation(model, task, runtime: str | None, path: str | os.PathLike, meta: dict[str, Any],
-                   device: Any = None, dtype: str | None = None):
-    """``model`` (PyTorch) as :func:`tellkit.workflows.evaluate.evaluate_checkpoint` runs it with ``runtime``."""
-    if check_runtime(runtime, device=device, dtype=dtype) == "torch":
-        return model
-    onnx = onnx_model(path, meta)
-    bind(onnx, task.processor)
-    return WithRuntime(model, onnx)

@@ -81,8 +81,11 @@ def run_eval(
     with_loss: bool = True,
     generate: bool = True,
     progress: bool = False,
+    generator: Any = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Loss and/or generation + corpus scores over a whole split. Same result on every rank."""
+    """Loss and/or generation + corpus scores over a whole split. Same result on every rank.
+    ``generator``: the model whose ``generate`` the task's predictions call (default: ``model``;
+    the same model on another runtime, :func:`tellkit.runtime.generating_model`)."""
     batches = plain_batches(task, dataset, split, batch_size, shuffle=False, seed=0, epoch=0)
     mine = list(range(dist.rank, len(batches), dist.world))
     loader = make_loader(task, dataset, [batches[i] for i in mine], num_workers, 0, dist.device.type == "cuda")
@@ -105,7 +108,7 @@ def run_eval(
                 loss_sum += out["loss"].double() * n
                 ntok += n
             if generate:
-                preds.append((bi, task.predict(model, batch)))
+                preds.append((bi, task.predict(model if generator is None else generator, batch)))
     finally:
         model.train(was_training)
     metrics: dict[str, float] = {}

@@ -116,12 +116,13 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
         dataset = task.build_dataset(split)
         if dataset is None or len(dataset) == 0:
             raise TellkitError(f"split '{split}' is empty")
-        generating = runtimes.for_evaluation(model, task, runtime, ckpt, read_checkpoint_config(ckpt),
-                                             device=info.device, dtype=dtype)
-        metrics, preds = run_eval(task, generating, dataset, split, info,
+        # the searches run on the runtime a pipeline would load (the loss is the PyTorch model's)
+        generating, _ = runtimes.generating_model(model, runtime, ckpt, read_checkpoint_config(ckpt), task.processor,
+                                                  device=info.device, dtype=dtype)
+        metrics, preds = run_eval(task, model, dataset, split, info,
                                   batch_size=eval_batch_size(recipe, batch_size),
                                   num_workers=int(section(recipe, "train").get("num_workers") or 0),
-                                  progress=progress)
+                                  progress=progress, generator=generating)
         result = EvalResult(ckpt, split, metrics, preds, model.num_parameters(trainable_only=True),
                             info={"checkpoint": str(ckpt), "task": recipe["task"], "dtype": task.precision.name,
                                   **({"runtime": runtime} if runtime not in (None, "torch") else {}),

@@ -10,6 +10,7 @@ from tellkit.cli import positive_int
 from tellkit.cli.cmd_export import add_output_arguments
 from tellkit.errors import TellkitError
 from tellkit.utils.files import check_output_path
+from tellkit.utils.runlock import pruned_while_reading, reading_states
 
 NAME = "average"
 HELP = "average the weights of several checkpoints of one model into one inference checkpoint"
@@ -56,10 +57,14 @@ def run(args) -> int:
 
     notes = notes_from(args.note)
     out = check_output_path(args.out, "--out", folder=True)  # a looping link, /proc, a file: before any work
-    found = sources(args.src, args.last)
-    kept = write_checkpoint_folder(
-        out, lambda d: average_checkpoints(found, d, weights=args.weights, note=notes or None),
-        replace=args.replace, sources=found)
+    with reading_states(args.src[0]):  # a run being trained prunes none of its states meanwhile
+        found = sources(args.src, args.last)
+        try:
+            kept = write_checkpoint_folder(
+                out, lambda d: average_checkpoints(found, d, weights=args.weights, note=notes or None),
+                replace=args.replace, sources=found)
+        except TellkitError as exc:
+            raise next(filter(None, (pruned_while_reading(p, exc) for p in found)), exc) from None
     names = ", ".join(source_name(p) for p in found)
     report(out, f"the mean of {len(found)} checkpoints: {names}", args.weights, kept)
     return 0

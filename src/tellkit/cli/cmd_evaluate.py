@@ -39,15 +39,22 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from tellkit.checkpoint import resolve_checkpoint  # heavy
+    from tellkit.errors import TellkitError  # heavy
     from tellkit.utils.files import check_output_path  # heavy
+    from tellkit.utils.runlock import pruned_while_reading, reading_states  # heavy
     from tellkit.workflows import evaluate_checkpoint  # heavy
 
     if args.out:  # a looping link, /proc, a file: refused before the evaluation
         check_output_path(args.out, "--out", folder=True)
-
-    result = evaluate_checkpoint(args.checkpoint, args.split, data=args.data, overrides=args.overrides, out=args.out,
-                                 batch_size=args.batch_size, device=args.device, progress=not args.no_progress,
-                                 dtype=args.dtype, runtime=args.runtime)
+    with reading_states(args.checkpoint):  # a run being trained prunes no state meanwhile
+        ckpt = resolve_checkpoint(args.checkpoint)
+        try:
+            result = evaluate_checkpoint(ckpt, args.split, data=args.data, overrides=args.overrides, out=args.out,
+                                         batch_size=args.batch_size, device=args.device,
+                                         progress=not args.no_progress, dtype=args.dtype, runtime=args.runtime)
+        except TellkitError as exc:
+            raise pruned_while_reading(ckpt, exc) or exc from None
     if result.info.get("dtype_note"):
         print(f"tellkit evaluate: note: {result.info['dtype_note']}", file=sys.stderr)
     if result.summary_file is not None:  # the main process of a torchrun group

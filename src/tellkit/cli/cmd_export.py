@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tellkit.errors import TellkitError
 from tellkit.utils.files import check_output_path
+from tellkit.utils.runlock import pruned_while_reading, reading_states
 
 NAME = "export"
 HELP = "write a training checkpoint (or a run's best) as a compact inference checkpoint (float16 weights)"
@@ -55,12 +56,16 @@ def run(args) -> int:
 
     notes = notes_from(args.note)
     out = check_output_path(args.out, "--out", folder=True)  # a looping link, /proc, a file: before any work
-    src = resolve_checkpoint(args.src)
-    if args.format == "onnx":
-        return export_onnx_folder(args, src, out, notes)
-    kept = write_checkpoint_folder(
-        out, lambda d: export_checkpoint(src, d, weights=args.weights, note=notes or None),
-        replace=args.replace, sources=[src])
+    with reading_states(args.src):  # a run being trained prunes no state meanwhile
+        src = resolve_checkpoint(args.src)
+        try:
+            if args.format == "onnx":
+                return export_onnx_folder(args, src, out, notes)
+            kept = write_checkpoint_folder(
+                out, lambda d: export_checkpoint(src, d, weights=args.weights, note=notes or None),
+                replace=args.replace, sources=[src])
+        except TellkitError as exc:
+            raise pruned_while_reading(src, exc) or exc from None
     report(out, src, args.weights, kept)
     return 0
 

@@ -57,6 +57,7 @@ from tellkit.training.run_states import CheckpointManager, SavedState, apply_sta
 from tellkit.training.task import Task
 from tellkit.utils import precision
 from tellkit.utils.files import check_regular_file
+from tellkit.utils.runlock import RunLock, hold_run
 
 TRAIN_COLUMNS = ["step", "epoch", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"]
 EVAL_COLUMNS = ["step", "epoch", "split", "metric", "value"]
@@ -327,12 +328,15 @@ def train(
     if run_dir.exists() and not run_dir.is_dir():
         raise TellkitError(f"--out {run_dir}: exists and is not a folder")
     dist = distributed.setup(device)
+    trainer = None
     try:
         trainer = Trainer(recipe, cfg, run_dir, dist, resume=resume, task=task, save_every_steps=save_every_steps,
                           save_every_minutes=save_every_minutes, keep_checkpoints=keep_checkpoints,
                           progress=progress, deadline=deadline)
         return trainer.setup().fit()
     finally:
+        if trainer is not None and trainer.lock is not None:
+            trainer.lock.release()
         distributed.teardown(dist)
 
 
@@ -356,6 +360,7 @@ class Trainer:
         self.resolved = json.loads(json.dumps({**dict(recipe), "train": to_dict(cfg)}))  # plain YAML/JSON types
         self.saved: SavedState | None = None
         self.tb = self.train_csv = self.eval_csv = None
+        self.lock: RunLock | None = None  # the run folder's owner lock (main process)
 
     def log(self, msg: str) -> None:
         if self.dist.is_main:
@@ -371,6 +376,8 @@ class Trainer:
 
     def _open_run_dir(self) -> None:
         run_dir, dist = self.run_dir, self.dist
+        if dist.is_main and run_dir.is_dir():  # before anything is read: a second run is refused here
+            self.lock = hold_run(run_dir)
         if self.resume:  # the state itself is chosen once the model is built (_restore_or_seed)
             if not self.ckpts.holds_run():
                 raise TellkitError(f"--resume: no intact checkpoint under {self.ckpts.dir} (none saved)")
@@ -401,6 +408,11 @@ class Trainer:
                                    "there); move it or choose another --out")
             with _writing(run_dir):
                 run_dir.mkdir(parents=True, exist_ok=True)
+                if self.lock is None:  # a new folder: two runs started at once race to lock it
+                    self.lock = hold_run(run_dir)
+                    if not self.resume and self.ckpts.holds_run():
+                        raise TellkitError(f"{run_dir} already holds a run: pass --resume to continue it, "
+                                           "or choose another --out")
                 (run_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False), encoding="utf-8")
 
     def _build(self) -> None:

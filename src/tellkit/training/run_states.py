@@ -18,7 +18,9 @@ then do ``last`` (and ``best``) move (``os.replace`` of a link is atomic). A fol
 only once no link points at it. So a kill at any instant leaves ``last`` pointing at a complete
 state; leftover ``*.tmp`` folders are removed by the next save. Besides ``last`` and ``best``, the
 states of the ``keep`` newest steps stay (``tellkit train --keep-checkpoints N``, for weight averaging with
-``tellkit average``); older ones are deleted. A failed write (disk full)
+``tellkit average``); older ones are deleted, but never while a reader (``tellkit export``,
+``average``, ``evaluate``) holds the run's states (:mod:`tellkit.utils.runlock`): then they stay
+until a later save. A failed write (disk full)
 removes the temporary folder and raises a one-line error; the previous state is untouched.
 
 Resume (:meth:`CheckpointManager.find_resume`) reads ``last``; when it is missing, dangling or
@@ -58,6 +60,7 @@ from tellkit.checkpoint import (
     write_tensor_files,
 )
 from tellkit.errors import TellkitError
+from tellkit.utils.runlock import pruning
 
 STATE_NAME = "trainer_state.json"
 FORMAT_VERSION = 1
@@ -519,11 +522,14 @@ class CheckpointManager:
         return path
 
     def _prune(self) -> None:
-        keep = {self._link_name("last"), self._link_name("best")}
-        keep.update(d.name for d in self.newest_steps(self.keep))
-        for d in self.states():
-            if d.name not in keep:
-                shutil.rmtree(d, ignore_errors=True)
+        with pruning(self.dir) as free:
+            if not free:  # a reader (export, average, evaluate) holds the states: prune at a later save
+                return
+            keep = {self._link_name("last"), self._link_name("best")}
+            keep.update(d.name for d in self.newest_steps(self.keep))
+            for d in self.states():
+                if d.name not in keep:
+                    shutil.rmtree(d, ignore_errors=True)
 
     # -- reading -------------------------------------------------------------------------
     @staticmethod

@@ -479,3 +479,105 @@ def test_train_then_recognize_cli(tmp_path, capsys):
     assert main(["recognize", img, "--model", str(tmp_path / "small"), "--json",
                  "--beam-size", "2", "--max-len", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == res["tokens"]
+
+
+# --- CoMER started from a BTTR model -------------------------------------------------------------
+def _fitted_bttr():
+    """A tiny BTTR with non-trivial BatchNorms whose decoder learned a little (searches of
+    different lengths)."""
+    from tellkit.models.bttr import BTTRConfig
+
+    sizes = {k: v for k, v in TINY.items() if k != "dc"}
+    torch.manual_seed(3)
+    m = BTTR(BTTRConfig(**sizes))
+    _randomise_bn(m, 3)
+    b = batch_of(images(), LABELS)
+    inp, tgt = bidirectional_targets(b["labels"], b["label_lengths"])
+    opt = torch.optim.Adam(m.decoder.parameters(), 1e-2)
+    m.eval()
+    with torch.no_grad():
+        mem, mask = m.encode(b["image"], b["image_mask"])
+    m.decoder.train()
+    for _ in range(60):
+        logits = m.decoder(inp, mem.repeat(2, 1, 1), torch.cat([mask, mask]))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=PAD)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return m.eval()
+
+
+def test_comer_from_bttr_reads_as_the_bttr_at_step_0(tmp_path):
+    from tellkit.checkpoint import load_weights_into
+    from tellkit.errors import TellkitError
+
+    bttr = _fitted_bttr()
+    bttr.save_pretrained(tmp_path / "bttr")
+    comer = CoMER(ComerConfig(**TINY, bttr_layout=True))
+    assert load_weights_into(comer, tmp_path / "bttr") == tmp_path / "bttr"
+    report = comer.init_report
+    assert len(report["copied"]) == len(bttr.state_dict())
+    assert report["new"] == sorted(f"decoder.arm.{k}" for k in comer.decoder.arm.state_dict())
+    assert torch.all(comer.decoder.arm.norm.weight == 0) and torch.all(comer.decoder.arm.norm.bias == 0)
+    comer.eval()
+    b = batch_of(images(), LABELS)
+    with torch.no_grad():
+        a, c = bttr(b), comer(b)
+        mem_b, mask_b = bttr.encode(b["image"], b["image_mask"])
+        mem_c, mask_c = comer.encode(b["image"], b["image_mask"])
+    assert torch.allclose(mem_b, mem_c, atol=1e-6) and torch.equal(mask_b.reshape(mask_c.shape[0], -1),
+                                                                     mask_c.reshape(mask_c.shape[0], -1))
+    lp_b, lp_c = F.log_softmax(a["logits"], -1), F.log_softmax(c["logits"], -1)
+    assert (lp_b - lp_c).abs().max() < 1e-4 and abs(float(a["loss"]) - float(c["loss"])) < 1e-5
+    gb, gc = bttr.generate(b["image"], b["image_mask"]), comer.generate(b["image"], b["image_mask"])
+    assert gb["tokens"] == gc["tokens"] and len({len(t) for t in gb["tokens"]}) > 1
+    assert torch.allclose(torch.tensor(gb["scores"]), torch.tensor(gc["scores"]), atol=1e-4)
+    # the refinement does not stay neutral: one training step gives its scale a gradient
+    comer.train()
+    comer(b)["loss"].backward()
+    assert float(comer.decoder.arm.norm.weight.grad.abs().sum()) > 0
+
+    # CoMER's own layout has no place for BTTR's weights as BTTR uses them: refused, one line
+    with pytest.raises(TellkitError, match="bttr_layout"):
+        load_weights_into(CoMER(ComerConfig(**TINY)), tmp_path / "bttr")
+    with pytest.raises(TellkitError, match="differ"):
+        load_weights_into(CoMER(ComerConfig(**{**TINY, "d_model": 16}, bttr_layout=True)), tmp_path / "bttr")
+    # a BTTR does not start from a CoMER
+    comer.save_pretrained(tmp_path / "comer")
+    with pytest.raises(TellkitError, match="holds a 'comer' model"):
+        load_weights_into(bttr, tmp_path / "comer")
+
+
+def test_bttr_layout_counts_the_arm_only():
+    plain, layout = ComerConfig(**TINY), ComerConfig(**TINY, bttr_layout=True)
+    from tellkit.models.bttr import BTTRConfig
+
+    n_bttr = BTTR(BTTRConfig(**{k: v for k, v in TINY.items() if k != "dc"})).num_parameters()
+    n_arm = sum(p.numel() for p in CoMER(layout).decoder.arm.parameters())
+    assert CoMER(layout).num_parameters() == n_bttr + n_arm
+    assert CoMER(plain).num_parameters() == n_bttr + n_arm + 2 * TINY["d_model"]  # + the input LayerNorm
+
+
+def test_train_comer_from_a_bttr_run_cli(tmp_path, capsys):
+    """`tellkit train` with model.name comer and train.init_from a BTTR run says what it copied."""
+    _dataset(tmp_path / "data")
+    over = [f"data.root={tmp_path / 'data'}", "data.layout=tsv", "data.train=train", "data.val=train",
+            "data.test=train", "data.limit={}", "data.scale=0.5", "train.max_steps=1", "eval.beam_size=2",
+            "eval.max_len=6"]
+    assert main(["train", "configs/bttr/tiny.yaml", *over, "--out", str(tmp_path / "bttr"), "--device", "cpu",
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["train", "configs/bttr/comer_tiny.yaml", *over, "model.bttr_layout=true",
+                 f"train.init_from={tmp_path / 'bttr'}", "--out", str(tmp_path / "comer"), "--device", "cpu",
+                 "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "initial weights from" in out
+    line = next(x for x in out.splitlines() if "tensors copied" in x)
+    assert "decoder.arm.norm.weight" in line and "decoder.arm.conv.weight" in line and "encoder." not in line
+    meta = json.loads((tmp_path / "comer" / "checkpoints" / "best" / "config.json").read_text())
+    assert meta["family"] == "comer" and meta["config"]["bttr_layout"] is True
+    # without BTTR's layout the run is refused before it trains, in one line
+    assert main(["train", "configs/bttr/comer_tiny.yaml", *over, f"train.init_from={tmp_path / 'bttr'}",
+                 "--out", str(tmp_path / "comer2"), "--device", "cpu", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "bttr_layout" in err and "Traceback" not in err

@@ -380,12 +380,18 @@ def resolve_checkpoint(path: str | os.PathLike, follow_links: bool = True) -> Pa
 def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Copy the weights of a checkpoint (or run folder) into ``model`` (fine-tuning / staged
     training): same family, same tensor names and shapes; the checkpoint's other settings
-    (dropout, search) are not taken. Returns the checkpoint folder used."""
+    (dropout, search) are not taken. A model of another family goes to ``model.adopt_weights``
+    where the model has one (CoMER from BTTR), whose report of what was copied and what is new is
+    left in ``model.init_report``. Returns the checkpoint folder used."""
     d = resolve_checkpoint(directory)
     src = load_model(d, map_location="cpu")
     family = getattr(model, "family", None)
     if getattr(src, "family", None) != family:
-        raise TellkitError(f"{d}: holds a '{getattr(src, 'family', None)}' model, this run trains '{family}'")
+        adopt = getattr(model, "adopt_weights", None)  # a family that can start from another's weights
+        if adopt is None:
+            raise TellkitError(f"{d}: holds a '{getattr(src, 'family', None)}' model, this run trains '{family}'")
+        model.init_report = adopt(src, str(d))
+        return d
     own, theirs = model.state_dict(), src.state_dict()
     bad = sorted(k for k in set(own) | set(theirs)
                  if k not in own or k not in theirs or own[k].shape != theirs[k].shape)

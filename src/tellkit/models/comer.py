@@ -59,6 +59,10 @@ class ComerConfig(BTTRConfig):
     dc: int = 32  # channels of the ARM's 5x5 conv
     cross_coverage: bool = True  # the previous layer's attention feeds the coverage
     self_coverage: bool = True  # this layer's own attention feeds the coverage
+    # BTTR's encoder (projection + ReLU, LayerNorm, then BTTR's image positions) and no decoder
+    # input LayerNorm: every weight of a BTTR model has its place, so that CoMER can start from one
+    # (``train.init_from``; :meth:`CoMER.adopt_weights`). Not the reference's layout.
+    bttr_layout: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -88,13 +92,21 @@ def comer_image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
 
 
 class ComerEncoder(Encoder):
-    """DenseNet-B -> 1x1 conv to d_model -> + 2-D positions -> LayerNorm (no ReLU)."""
+    """DenseNet-B -> 1x1 conv to d_model -> + 2-D positions -> LayerNorm (no ReLU); with
+    ``bttr_layout``, BTTR's order (conv, ReLU, LayerNorm, + BTTR's positions)."""
+
+    def __init__(self, c: ComerConfig):
+        super().__init__(c)
+        self.bttr_layout = c.bttr_layout
 
     def forward(self, image: torch.Tensor, image_mask: torch.Tensor | None = None):
         """-> memory [B, h*w, d], memory_mask [B, h, w] (True = real)."""
         feat, mask = self.densenet(image, image_mask)
-        feat = self.proj(feat).permute(0, 2, 3, 1)  # [B, h, w, d]
-        feat = self.norm(feat + comer_image_positions(mask, self.d_model))
+        if self.bttr_layout:
+            feat = self.norm(F.relu(self.proj(feat)).permute(0, 2, 3, 1)) + self.positions(mask, self.d_model)
+        else:
+            feat = self.proj(feat).permute(0, 2, 3, 1)  # [B, h, w, d]
+            feat = self.norm(feat + comer_image_positions(mask, self.d_model))
         return feat.reshape(feat.shape[0], -1, self.d_model), mask
 
 
@@ -186,7 +198,8 @@ class ComerDecoder(Decoder):
 
     def __init__(self, c: ComerConfig):
         super().__init__(c)
-        self.input_norm = nn.LayerNorm(c.d_model)  # after word embedding + positions
+        # after word embedding + positions (none in BTTR's layout)
+        self.input_norm = None if c.bttr_layout else nn.LayerNorm(c.d_model)
         use = c.cross_coverage or c.self_coverage
         self.arm = AttentionRefinement(c.nhead, c.dc, c.cross_coverage, c.self_coverage) if use else None
 
@@ -207,7 +220,8 @@ class ComerDecoder(Decoder):
         if kvs is None:
             kvs = self.project_memory(memory, memory_mask)
         x = self.embed_norm(self.embed(tokens)) + self.positions(tokens.shape[1], start, tokens.device)
-        x = self.input_norm(x)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
         ctx = {"arm": self.arm, "prev": None}
         pad = target_padding(tokens, states)  # padded rows still enter the ARM's BatchNorm, as in the reference
         for i, layer in enumerate(self.layers):
@@ -220,3 +234,28 @@ class CoMER(BTTR):
     """BTTR with CoMER's coverage; training, ``generate`` and the search are BTTR's."""
 
     encoder_class, decoder_class = ComerEncoder, ComerDecoder
+
+    def adopt_weights(self, source: nn.Module, where: str) -> dict[str, list[str]]:
+        """Start from a BTTR model (``train.init_from``): copy every tensor whose name and shape
+        match (with ``bttr_layout`` that is all of BTTR's) and make the attention refinement
+        neutral: its BatchNorm's scale and shift are zero, so it subtracts exactly zero and this
+        model reads as the BTTR until training moves them (the gradient reaches the scale at
+        once). -> ``{"copied": names, "new": names}``."""
+        if getattr(source, "family", None) != "bttr":
+            raise TellkitError(f"{where}: holds a '{getattr(source, 'family', None)}' model; CoMER starts "
+                               "from a CoMER or a BTTR model")
+        if not self.config.bttr_layout:
+            raise TellkitError(f"{where}: a BTTR model starts a CoMER of BTTR's layout only "
+                               "(set model.bttr_layout=true)")
+        own, theirs = self.state_dict(), source.state_dict()
+        bad = sorted(k for k in theirs if k not in own or own[k].shape != theirs[k].shape)
+        if bad:
+            raise TellkitError(f"{where}: the BTTR's weights do not fit this CoMER's sizes "
+                               f"({len(bad)} tensors differ, e.g. {bad[:3]})")
+        with torch.no_grad():
+            for k, v in theirs.items():
+                own[k].copy_(v.to(own[k].dtype))
+            if self.decoder.arm is not None:
+                nn.init.zeros_(self.decoder.arm.norm.weight)
+                nn.init.zeros_(self.decoder.arm.norm.bias)
+        return {"copied": sorted(theirs), "new": sorted(k for k in own if k not in theirs)}

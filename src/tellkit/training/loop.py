@@ -430,6 +430,10 @@ class Trainer:
 
             source = load_weights_into(model, cfg.init_from)
             self.log(f"initial weights from {source}")
+            report = getattr(model, "init_report", None)
+            if report:  # weights of another family (CoMER from BTTR)
+                self.log(f"{len(report['copied'])} tensors copied, {len(report['new'])} new: "
+                         + ", ".join(report["new"]))
             if task.restore_checkpoint_files(source):
                 self.log(f"encoder state from {source} (what the run saved beside its model)")
         self.model = model.to(dist.device)

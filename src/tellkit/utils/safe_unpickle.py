@@ -15,6 +15,8 @@ or called unless it is on a list:
   is read by an unpickler that rebuilds tensors with its own functions and turns every other
   class into an inert dict (the state is kept, nothing is run). The storage entries' declared
   sizes are checked before any tensor byte is read, so a small file cannot inflate to gigabytes.
+
+Importing this module does not import torch (a data reader needs only :func:`restricted_load`).
 """
 from __future__ import annotations
 
@@ -26,8 +28,6 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
-
-import torch
 
 from tellkit.errors import TellkitError
 
@@ -87,11 +87,11 @@ class _Inert(dict):
                 self.update(part)
 
 
-def _rebuild_tensor(flat: torch.Tensor, offset: int, size, stride, *_: Any) -> torch.Tensor:
+def _rebuild_tensor(flat, offset: int, size, stride, *_: Any):
     return flat.as_strided(tuple(size), tuple(stride), int(offset))
 
 
-def _rebuild_parameter(data: torch.Tensor, *_: Any) -> torch.Tensor:
+def _rebuild_parameter(data, *_: Any):
     return data
 
 
@@ -103,11 +103,10 @@ _CHECKPOINT_NAMES = {
     ("builtins", "frozenset"): frozenset,
 }
 
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
-    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
+_STORAGE_DTYPES = {  # storage class -> torch dtype name
+    "FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
 }
 
 # a storage entry over 16 MiB that inflates more than 100-fold is refused: PyTorch writes tensors
@@ -130,18 +129,22 @@ class _CheckpointUnpickler(pickle.Unpickler):
         self.total, self.seen = 0, set()
 
     def find_class(self, module: str, name: str):
+        import torch  # heavy
+
         if (module, name) in _CHECKPOINT_NAMES:
             return _CHECKPOINT_NAMES[(module, name)]
         if module == "torch" and name.endswith("Storage"):
             dtype = _STORAGE_DTYPES.get(name)
             if dtype is None:
                 raise pickle.UnpicklingError(f"unknown storage type torch.{name}")
-            return dtype
+            return getattr(torch, dtype)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         return type(name, (_Inert,), {"__module__": f"{__name__}.stand_in"})
 
     def persistent_load(self, pid):
+        import torch  # heavy
+
         if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
             raise pickle.UnpicklingError(f"unsupported persistent id {pid!r}")
         _, dtype, key, _location, numel = pid[:5]
@@ -215,6 +218,8 @@ def read_pickled_checkpoint(path: str | os.PathLike, max_bytes: int) -> dict[str
     ``torch.load(weights_only=True)`` first; a file that also holds other classes (a Lightning
     checkpoint) is read by this module's unpickler, which replaces them by inert stand-ins.
     Tensors over ``max_bytes`` in all are refused before they are read."""
+    import torch  # heavy
+
     p = Path(path)
     if not p.is_file():
         raise TellkitError(f"{p}: no such file" if not p.exists() else f"{p}: not a regular file")

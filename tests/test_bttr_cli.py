@@ -93,9 +93,9 @@ def test_train_evaluate_recognize_cli(tmp_path, capsys):
     assert res["input"] == img and isinstance(res["text"], str) and len(res["tokens"]) <= 6
 
     # the compact (float16) export used for the packaged default model gives the same answer
-    from tellkit.training.export import export_checkpoint
+    from tellkit.export.safetensors import export_safetensors
 
-    export_checkpoint(run / "checkpoints" / "best", tmp_path / "small")
+    export_safetensors(run / "checkpoints" / "best", tmp_path / "small")
     meta = json.loads((tmp_path / "small" / "config.json").read_text())
     assert meta["data"]["root"] is None and meta["data"]["layout"] == "tsv"  # no training-machine paths
     assert main(["recognize", img, "--model", str(tmp_path / "small"), "--json",

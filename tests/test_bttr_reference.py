@@ -286,7 +286,7 @@ def test_export_to_the_reference_and_back(tmp_path):
             t.copy_(torch.rand_like(t) + 0.5 if "running_var" in name else torch.randn_like(t) * 0.2)
     src = m.save_pretrained(tmp_path / "tellkit_model")
     ckpt = tmp_path / "exported.ckpt"
-    assert main(["convert", str(src), "--to", "reference", "--out", str(ckpt)]) == 0
+    assert main(["export", str(src), "--format", "reference", "--out", str(ckpt)]) == 0
     data = torch.load(ckpt, weights_only=True)  # tensors and plain values only
     assert data["hyper_parameters"] == {"d_model": 32, "growth_rate": 4, "num_layers": 2, "nhead": 4,
                                         "num_decoder_layers": 2, "dim_feedforward": 64, "dropout": 0.3,
@@ -305,10 +305,31 @@ def test_export_to_the_reference_and_back(tmp_path):
     assert all(torch.equal(again[k], v) for k, v in m.state_dict().items())
     # an existing file is never overwritten; the old layout cannot be exported
     before = ckpt.read_bytes()
-    assert main(["convert", str(src), "--to", "reference", "--out", str(ckpt)]) == 2
+    assert main(["export", str(src), "--format", "reference", "--out", str(ckpt)]) == 2
     assert ckpt.read_bytes() == before
     legacy = _tellkit_0_1_checkpoint(tmp_path / "old")
-    assert main(["convert", str(legacy), "--to", "reference", "--out", str(tmp_path / "x.ckpt")]) == 2
+    assert main(["export", str(legacy), "--format", "reference", "--out", str(tmp_path / "x.ckpt")]) == 2
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_convert_to_reference_still_exports_and_names_its_replacement(tmp_path, capsys):
+    """The earlier spelling ``tellkit convert --to reference`` writes the same file as
+    ``tellkit export --format reference``, with a one-line deprecation message naming it."""
+    src = create_model("bttr/tiny").save_pretrained(tmp_path / "m")
+    capsys.readouterr()
+    assert main(["convert", str(src), "--to", "reference", "--out", str(tmp_path / "old.ckpt")]) == 0
+    err = capsys.readouterr().err.strip()
+    assert "deprecated" in err and "tellkit export --format reference" in err and "\n" not in err
+    assert main(["export", str(src), "--format", "reference", "--out", str(tmp_path / "new.ckpt")]) == 0
+    old, new = (torch.load(tmp_path / f"{n}.ckpt", weights_only=True) for n in ("old", "new"))
+    assert old["hyper_parameters"] == new["hyper_parameters"]
+    assert all(torch.equal(old["state_dict"][k], v) for k, v in new["state_dict"].items())
+
+
+def test_export_reference_refuses_the_options_of_a_checkpoint_folder(tmp_path, capsys):
+    src = create_model("bttr/tiny").save_pretrained(tmp_path / "m")
+    assert main(["export", str(src), "--format", "reference", "--out", str(tmp_path / "x.ckpt"), "--int8"]) == 2
+    assert "--format reference" in capsys.readouterr().err
     assert not (tmp_path / "x.ckpt").exists()
 
 

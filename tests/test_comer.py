@@ -473,9 +473,9 @@ def test_train_then_recognize_cli(tmp_path, capsys):
     assert main(["recognize", img, "--model", str(run), "--json", "--beam-size", "2", "--max-len", "6"]) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["input"] == img and isinstance(res["text"], str) and len(res["tokens"]) <= 6
-    from tellkit.training.export import export_checkpoint
+    from tellkit.export.safetensors import export_safetensors
 
-    export_checkpoint(run / "checkpoints" / "best", tmp_path / "small")
+    export_safetensors(run / "checkpoints" / "best", tmp_path / "small")
     assert main(["recognize", img, "--model", str(tmp_path / "small"), "--json",
                  "--beam-size", "2", "--max-len", "6"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == res["tokens"]

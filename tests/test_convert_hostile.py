@@ -34,12 +34,13 @@ def tellkit(*args, env=None, timeout=180):
 @pytest.fixture(scope="module")
 def reference_state(tmp_path_factory):
     """A tiny BTTR exported as the reference's .ckpt, and its tensors."""
-    from tellkit.convert import export_checkpoint, read_reference_state_dict
+    from tellkit.convert import read_reference_state_dict
+    from tellkit.export.reference import export_reference
     from tellkit.registry import create_model
 
     root = tmp_path_factory.mktemp("ref")
     ckpt = create_model("bttr/tiny").save_pretrained(root / "tiny")
-    ref = export_checkpoint(ckpt, root / "tiny.ckpt")
+    ref = export_reference(ckpt, root / "tiny.ckpt")
     return Path(ref), read_reference_state_dict(ref)
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tellkit.checkpoint import INT8_SCALE, dequantize_int8, load_model, quantize_int8
+from tellkit.checkpoint import INT8_SCALE, dequantize_int8, load_model
 from tellkit.errors import TellkitError
+from tellkit.export.safetensors import export_safetensors, quantize_int8
 from tellkit.registry import create_model
 
 
@@ -47,7 +48,7 @@ def test_rows_are_rounded_within_half_a_step_of_their_own_scale():
 def test_an_int8_checkpoint_loads_close_to_the_float_model(tmp_path):
     m = small_model().eval()
     d16 = m.save_pretrained(tmp_path / "f16", dtype=torch.float16)
-    d8 = m.save_pretrained(tmp_path / "i8", dtype=torch.int8)
+    d8 = export_safetensors(m.save_pretrained(tmp_path / "f32"), tmp_path / "i8", weights="int8")
     assert json.loads((d8 / "config.json").read_text())["weights_dtype"] == "int8"
     assert (d8 / "model.safetensors").stat().st_size < 0.75 * (d16 / "model.safetensors").stat().st_size
     back = load_model(d8).eval()
@@ -61,7 +62,7 @@ def test_an_int8_checkpoint_loads_close_to_the_float_model(tmp_path):
 
 
 def test_damaged_int8_files_are_one_line_errors(tmp_path):
-    d = small_model().save_pretrained(tmp_path / "i8", dtype=torch.int8)
+    d = export_safetensors(small_model().save_pretrained(tmp_path / "f32"), tmp_path / "i8", weights="int8")
     state = load_file(str(d / "model.safetensors"))
     name = next(k[: -len(INT8_SCALE)] for k in state if k.endswith(INT8_SCALE))
     bad = dict(state)

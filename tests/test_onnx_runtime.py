@@ -56,7 +56,7 @@ def test_bttr_step_and_score_graphs_match_pytorch_step_by_step(tmp_path):
     leaving), gives PyTorch's incremental log-probabilities; the rescoring graph its teacher-forced
     sums; images of three sizes batched with padding give PyTorch's memory."""
     from tellkit.checkpoint import load_model
-    from tellkit.runtime.export import export_onnx
+    from tellkit.export.onnx import export_onnx
     from tellkit.runtime.ort import open_model
 
     ck = tiny_bttr(tmp_path / "bttr")
@@ -97,7 +97,7 @@ def test_bttr_step_and_score_graphs_match_pytorch_step_by_step(tmp_path):
 
 def test_sat_graphs_match_pytorch(tmp_path):
     from tellkit.checkpoint import load_model
-    from tellkit.runtime.export import export_onnx
+    from tellkit.export.onnx import export_onnx
     from tellkit.runtime.ort import open_model
 
     ck = tiny_sat(tmp_path / "sat")
@@ -237,7 +237,7 @@ def test_export_refuses_what_it_does_not_cover(tmp_path, capsys):
     assert "reference variant" in capsys.readouterr().err
     ck = tiny_bttr(tmp_path / "bttr")
     assert main(["export", str(ck), "--format", "onnx", "--int8", "--out", str(tmp_path / "o")]) == 2
-    assert "--format checkpoint" in capsys.readouterr().err
+    assert "--format safetensors" in capsys.readouterr().err
 
 
 # --- the packaged models on a few real inputs -----------------------------------------------------------

@@ -316,12 +316,12 @@ def test_sigterm_saves_and_stops_then_resumes(tmp_path):
 
 def test_export_half_precision_inference_checkpoint(tmp_path):
     from tellkit import load_model
-    from tellkit.training.export import export_checkpoint
+    from tellkit.export.safetensors import export_safetensors
 
     run(toy_task.recipe(max_epochs=1, num_workers=1), tmp_path / "run")
     src = tmp_path / "run" / "checkpoints" / "best"
     assert json.loads((src / "config.json").read_text())["train"]["num_workers"] == 1
-    out = export_checkpoint(src, tmp_path / "export", note={"trained_on": "toy"})
+    out = export_safetensors(src, tmp_path / "export", note={"trained_on": "toy"})
     meta = json.loads((out / "config.json").read_text())
     assert meta["task"] == "toy" and meta["train"]["max_epochs"] == 1 and meta["note"] == {"trained_on": "toy"}
     assert meta["train"]["num_workers"] == 0  # a setting of the training machine, not of the model
@@ -397,7 +397,7 @@ def test_keep_checkpoints_and_average_them(tmp_path, capsys):
     refuses bad input with one line, writing nothing."""
     from tellkit import load_model
     from tellkit.cli import main
-    from tellkit.training.export import average_checkpoints
+    from tellkit.export.safetensors import average_checkpoints
 
     def step(p):
         return int(p.name.split("_")[1].split("-")[0])

@@ -121,7 +121,7 @@ def device_of(spec: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """State dict with each shared storage kept once (first name wins), contiguous."""
     seen: dict[tuple, str] = {}
     out: dict[str, torch.Tensor] = {}
@@ -135,10 +135,12 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, Any] | None = None,
-               dtype: torch.dtype | None = None) -> Path:
+               dtype: torch.dtype | None = None, state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors``. ``dtype`` (e.g. ``torch.float16``) stores
     floating-point weights at lower precision to halve a shipped checkpoint; they are cast
-    back to the model's dtype on load."""
+    back to the model's dtype on load. ``state``: the tensors to store instead of the model's
+    own (an encoding :func:`load_model` decodes, e.g. int8 weights with ``weights_dtype: int8``
+    in ``extra``: :func:`tellkit.export.safetensors.quantize_int8`)."""
     from safetensors.torch import save  # heavy
 
     d = Path(directory)
@@ -153,11 +155,12 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
     meta["tellkit_version"] = __version__
     if extra:
         meta.update(extra)
-    state = _unique_state(model)
-    if dtype == torch.int8:
-        state = quantize_int8(state)
-        meta["weights_dtype"] = "int8"
-    elif dtype is not None:
+    if dtype is not None and (state is not None or not dtype.is_floating_point):
+        raise TellkitError(f"save_model: dtype {dtype} with {'a given state' if state is not None else 'the model'}: "
+                           "dtype casts the model's weights to a floating-point type (int8: tellkit.export)")
+    if state is None:
+        state = unique_state(model)
+    if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
         meta["weights_dtype"] = str(dtype).replace("torch.", "")
     atomic_write_bytes(d / WEIGHTS_NAME, save(state, metadata={"format": "pt"}))
@@ -166,26 +169,6 @@ def save_model(model: nn.Module, directory: str | os.PathLike, extra: dict[str, 
 
 
 INT8_SCALE = ".int8_row_scale"  # suffix of the float32 row scales of an int8 weight matrix
-INT8_MIN_ELEMENTS = 4096  # smaller floating-point tensors (biases, norms) are stored in float16
-
-
-def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Weight matrices (floating point, 2+ dimensions, at least INT8_MIN_ELEMENTS) as int8 with
-    one float32 scale per row (symmetric: row / (max |row| / 127), rounded), stored under
-    ``name + INT8_SCALE``; other floating-point tensors in float16, the rest unchanged. A quarter
-    of float32's size for the matrices; :func:`dequantize_int8` restores float32."""
-    out: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        if v.is_floating_point() and v.dim() >= 2 and v.numel() >= INT8_MIN_ELEMENTS:
-            rows = v.detach().float().reshape(v.size(0), -1)
-            scale = rows.abs().amax(1).clamp(min=1e-30) / 127.0
-            out[k] = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8).reshape(v.shape)
-            out[k + INT8_SCALE] = scale.contiguous()
-        elif v.is_floating_point():
-            out[k] = v.to(torch.float16)
-        else:
-            out[k] = v
-    return out
 
 
 def dequantize_int8(state: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:

@@ -53,7 +53,8 @@ def sources(src: list[str], last: int | None) -> list:
 
 def run(args) -> int:
     from tellkit.cli.cmd_export import notes_from, report  # heavy
-    from tellkit.training.export import average_checkpoints, source_name, write_checkpoint_folder  # heavy
+    from tellkit.export.folder import write_checkpoint_folder  # heavy
+    from tellkit.export.safetensors import average_checkpoints, source_name  # heavy
 
     notes = notes_from(args.note)
     out = check_output_path(args.out, "--out", folder=True)  # a looping link, /proc, a file: before any work

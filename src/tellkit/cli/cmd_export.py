@@ -1,31 +1,40 @@
-"""`tellkit export SRC --out DIR`: a training checkpoint (or run folder) as a compact inference
-checkpoint: weights (float16 unless --float32), config and recipe sections, no optimizer or
-trainer state. This is how packaged default models are made.
+"""`tellkit export SRC --format safetensors|onnx|reference --out OUT`: a checkpoint (or a run
+folder's best) written out in another form, one module of :mod:`tellkit.export` per format.
 
-`tellkit export SRC --format onnx --out DIR`: the checkpoint with its model as ONNX graphs (the
-encoder, one decoder step with its state as inputs and outputs; BTTR and Show, Attend and Tell)
-for `--runtime onnx` (:mod:`tellkit.runtime.export`)."""
+- ``safetensors`` (default): a compact inference checkpoint: weights (float16 unless --float32
+  or --int8), config and recipe sections, no optimizer or trainer state. This is how packaged
+  default models are made.
+- ``onnx``: the checkpoint with its model as ONNX graphs (the encoder, one decoder step with its
+  state as inputs and outputs; BTTR and Show, Attend and Tell) for `--runtime onnx`.
+- ``reference``: the reference implementation's checkpoint file (BTTR's Lightning ``.ckpt``)."""
 from __future__ import annotations
+
+import sys
 
 from tellkit.errors import TellkitError
 from tellkit.utils.files import check_output_path
 from tellkit.utils.runlock import pruned_while_reading, reading_states
 
 NAME = "export"
-HELP = "write a training checkpoint (or a run's best) as a compact inference checkpoint (float16 weights)"
+HELP = ("write a checkpoint (or a run's best) as a compact inference checkpoint (float16 weights), "
+        "as ONNX graphs, or as the reference implementation's .ckpt")
+FORMATS = ("safetensors", "onnx", "reference")
+OLD_FORMATS = {"checkpoint": "safetensors"}  # earlier names a user may still type
 
 
 def add_arguments(p) -> None:
     p.add_argument("src", help="a checkpoint folder, or a run folder of tellkit train (its best checkpoint)")
-    p.add_argument("--format", choices=("checkpoint", "onnx"), default="checkpoint",
-                   help="checkpoint (default): a compact tellkit checkpoint; onnx: the checkpoint as it is, with "
-                        "its model as ONNX graphs for --runtime onnx (needs the onnx extra)")
+    p.add_argument("--format", choices=FORMATS + tuple(OLD_FORMATS), default="safetensors",
+                   help="safetensors (default): a compact tellkit checkpoint folder; onnx: the checkpoint as it is, "
+                        "with its model as ONNX graphs for --runtime onnx (needs the onnx extra); reference: the "
+                        "reference implementation's checkpoint file (BTTR), --out names the new .ckpt")
     add_output_arguments(p)
 
 
 def add_output_arguments(p) -> None:
     """--out, --float32 / --int8 (args.weights), --note and --replace (shared with tellkit average)."""
-    p.add_argument("--out", required=True, help="the new checkpoint folder (must not exist or be empty)")
+    p.add_argument("--out", required=True, help="the new checkpoint folder (must not exist or be empty); "
+                   "with --format reference, the new .ckpt file")
     dtype = p.add_mutually_exclusive_group()  # one stored weights type, float16 unless one of these
     p.set_defaults(weights="float16")
     dtype.add_argument("--float32", dest="weights", action="store_const", const="float32",
@@ -52,21 +61,44 @@ def notes_from(items: list[str]) -> dict[str, str]:
 
 def run(args) -> int:
     from tellkit.checkpoint import resolve_checkpoint  # heavy
-    from tellkit.training.export import export_checkpoint, write_checkpoint_folder  # heavy
+    from tellkit.export.folder import write_checkpoint_folder  # heavy
+    from tellkit.export.safetensors import export_safetensors  # heavy
 
+    fmt = OLD_FORMATS.get(args.format, args.format)
+    if fmt != args.format:
+        print(f"tellkit: --format {args.format} is now --format {fmt}", file=sys.stderr)
     notes = notes_from(args.note)
+    if fmt == "reference":
+        return export_reference_file(args, notes)
     out = check_output_path(args.out, "--out", folder=True)  # a looping link, /proc, a file: before any work
     with reading_states(args.src):  # a run being trained prunes no state meanwhile
         src = resolve_checkpoint(args.src)
         try:
-            if args.format == "onnx":
+            if fmt == "onnx":
                 return export_onnx_folder(args, src, out, notes)
             kept = write_checkpoint_folder(
-                out, lambda d: export_checkpoint(src, d, weights=args.weights, note=notes or None),
+                out, lambda d: export_safetensors(src, d, weights=args.weights, note=notes or None),
                 replace=args.replace, sources=[src])
         except TellkitError as exc:
             raise pruned_while_reading(src, exc) or exc from None
     report(out, src, args.weights, kept)
+    return 0
+
+
+def export_reference_file(args, notes) -> int:
+    from tellkit.checkpoint import resolve_checkpoint  # heavy
+    from tellkit.export.reference import export_reference  # heavy
+
+    if args.weights != "float16" or notes or args.replace:
+        raise TellkitError("--format reference writes the checkpoint's weights as the reference stores them "
+                           "(--float32, --int8, --note and --replace are for --format safetensors)")
+    out = check_output_path(args.out, "--out")
+    with reading_states(args.src):  # a run being trained prunes no state meanwhile
+        src = resolve_checkpoint(args.src)
+        try:
+            print(f"wrote {export_reference(src, out)}")
+        except TellkitError as exc:
+            raise pruned_while_reading(src, exc) or exc from None
     return 0
 
 
@@ -79,12 +111,12 @@ def report(out, made_from, weights: str, kept: list[str]) -> None:
 
 def export_onnx_folder(args, src, out, notes) -> int:
     from tellkit.checkpoint import read_checkpoint_config  # heavy
-    from tellkit.runtime.export import check_exportable, export_onnx  # heavy
-    from tellkit.training.export import write_checkpoint_folder  # heavy
+    from tellkit.export.folder import write_checkpoint_folder  # heavy
+    from tellkit.export.onnx import check_exportable, export_onnx  # heavy
 
     if args.weights != "float16" or notes:
         raise TellkitError("--format onnx keeps the checkpoint's weights and notes as they are "
-                           "(--float32, --int8 and --note are for --format checkpoint)")
+                           "(--float32, --int8 and --note are for --format safetensors)")
     check_exportable(read_checkpoint_config(src), str(src))
     kept = write_checkpoint_folder(out, lambda d: export_onnx(src, d), replace=args.replace, sources=[src])
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f.suffix == ".onnx")

@@ -7,7 +7,7 @@ Each model family that can be imported has a module here (``tellkit.convert.<fam
     def convert(state, **options) -> tuple[dict, dict[str, Tensor]]
         # -> (model config fields, tellkit state dict); raise TellkitError on a mismatch
 
-and optionally, to go back::
+and optionally, to go back (``tellkit export --format reference``: :mod:`tellkit.export.reference`)::
 
     def to_reference(config: dict, state: dict[str, Tensor]) -> dict   # the reference's checkpoint
 
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import io
 import os
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tellkit.checkpoint import atomic_write_bytes, load_model, max_model_bytes, save_model, write_tensor_files
+from tellkit.checkpoint import max_model_bytes, save_model, write_tensor_files
 from tellkit.errors import TellkitError
 from tellkit.registry import create_model
 from tellkit.utils.safe_unpickle import read_pickled_checkpoint
@@ -148,22 +146,3 @@ def _check_weights(src, model: torch.nn.Module, new_state: dict[str, torch.Tenso
 
 def _is_buffer(model: torch.nn.Module, key: str) -> bool:
     return key in dict(model.named_buffers())
-
-
-def export_checkpoint(src: str | os.PathLike, out: str | os.PathLike) -> Path:
-    """Write the tellkit checkpoint folder ``src`` as the reference implementation's checkpoint
-    file ``out`` (a PyTorch pickle of tensors and plain values, as the reference loads it)."""
-    src, out = Path(src), Path(out)
-    if out.exists():
-        raise TellkitError(f"{out}: exists (nothing was written)")
-    if not out.parent.is_dir():
-        raise TellkitError(f"{out.parent}: no such folder")
-    model = load_model(src)
-    mod = converter(model.family)
-    if not hasattr(mod, "to_reference"):
-        raise TellkitError(f"no export to the reference format for {model.family!r}")
-    ckpt = mod.to_reference(asdict(model.config), model.state_dict())
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    atomic_write_bytes(out, buf.getvalue())
-    return out

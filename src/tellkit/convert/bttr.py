@@ -37,7 +37,7 @@ missing ones an output bias of -10000 (never predicted). CoMER's dictionary is B
 ``\Pi`` in place of ``'`` (:data:`COMER_SYMBOLS`, used unless ``dictionary=`` is given): that one
 difference is always accepted (``\Pi`` is dropped, ``'`` never predicted).
 
-:func:`to_reference` goes the other way (``tellkit convert DIR --to reference --out X.ckpt``),
+:func:`to_reference` goes the other way (``tellkit export DIR --format reference --out X.ckpt``),
 through the same name table, so the two directions cannot drift apart.
 """
 from __future__ import annotations

@@ -4,10 +4,9 @@ of ``tellkit.pipeline`` and ``tellkit recognize / caption --runtime``) and evalu
 (``tellkit evaluate --runtime``) choose it the same way, through :func:`generating_model`: the
 model whose ``generate`` the task's processor calls.
 
-- :mod:`tellkit.runtime.graphs`: the model pieces that are exported (encoders, one decoder step
-  with its state as inputs and outputs, BTTR's rescoring pass).
-- :mod:`tellkit.runtime.export`: ``tellkit export --format onnx`` (a checkpoint folder plus its
-  graphs) and the export of any checkpoint made once into the user cache.
+- :mod:`tellkit.export.onnx`: ``tellkit export --format onnx`` (a checkpoint folder plus its
+  graphs: the model pieces of :mod:`tellkit.export.onnx_graphs`) and the export of any
+  checkpoint made once into the user cache.
 - :mod:`tellkit.runtime.ort`: the graphs behind the interfaces the project's searches drive,
   so the searches (beam search, BTTR's joint search and rescoring, length normalisation) are the
   same code on both runtimes.
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from tellkit.errors import TellkitError
-from tellkit.runtime.export import exported
+from tellkit.export.onnx import exported
 from tellkit.runtime.ort import OnnxImageEncoder, open_model
 from tellkit.utils.optional import require
 
@@ -48,7 +47,7 @@ def check_runtime(runtime: str | None, *, device: Any = None, dtype: str | None 
 
 def onnx_model(path: str | os.PathLike, meta: dict[str, Any], threads: int | None = None):
     """The ONNX runtime model of the checkpoint at ``path`` (exported first when it is not an
-    ONNX folder: :func:`tellkit.runtime.export.exported`)."""
+    ONNX folder: :func:`tellkit.export.onnx.exported`)."""
     return open_model(exported(path, meta), threads=threads)
 
 

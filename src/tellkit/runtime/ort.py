@@ -1,4 +1,4 @@
-"""The exported graphs (:mod:`tellkit.runtime.export`) run by ONNX Runtime, behind the same
+"""The exported graphs (:mod:`tellkit.export.onnx`) run by ONNX Runtime, behind the same
 interfaces the PyTorch models give the searches, so that beam search, BTTR's joint search and
 rescoring, and length normalisation are the project's own code on either runtime:
 
@@ -29,10 +29,10 @@ import torch
 from tellkit.checkpoint import read_checkpoint_config
 from tellkit.decoding.runaway import RunawayStop
 from tellkit.errors import TellkitError
+from tellkit.export.onnx import manifest
 from tellkit.layers.attention import RowGroups
 from tellkit.models.baselines.common import attention_lists, context_set, search
 from tellkit.models.bttr_search import joint_search
-from tellkit.runtime.export import manifest
 from tellkit.utils.optional import require
 
 

@@ -45,11 +45,11 @@ import torch
 from tellkit.checkpoint import atomic_write_json
 from tellkit.config import deep_merge
 from tellkit.errors import TellkitError
+from tellkit.export.safetensors import export_safetensors
 from tellkit.recipes import train_config
 from tellkit.tasks import make_task
 from tellkit.training import distributed
 from tellkit.training.evaluation import make_loader, to_device
-from tellkit.training.export import export_checkpoint
 from tellkit.training.loop import Trainer, epoch_batches, train
 
 #: operator names that make the host wait for the device
@@ -345,7 +345,7 @@ def export_run(run: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     staging = dest / ".export-tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    export_checkpoint(last, staging, weights="float16")
+    export_safetensors(last, staging, weights="float16")
     for f in staging.iterdir():  # each file replaced whole: a reader never sees half of one
         os.replace(f, dest / f.name)
     staging.rmdir()

@@ -1,33 +1,42 @@
-"""Turn a training checkpoint into a compact inference checkpoint (how packaged default models
-are made): the model's weights (float16 by default: half the size; loading casts them back to
-the model's float32 parameters), its config, and the recipe sections the training loop stored
-(task, data, eval, train, encoders ...), so evaluation and captioning prepare inputs exactly as
-in training. No optimizer, RNG or trainer state, and nothing of the training machine: the data
-root, the feature-cache folder and the run it started from are cleared (pass ``--data`` to
-evaluate it), and the number
-of data-loading worker processes goes back to the default, so a model trained on a large
-machine does not start a dozen workers on a laptop. Works for any registered model family.
+"""``tellkit export SRC --format safetensors --out DIR``: a training checkpoint as a compact
+inference checkpoint (how packaged default models are made): the model's weights (float16 by
+default: half the size; loading casts them back to the model's float32 parameters), its config,
+and the recipe sections the training loop stored (task, data, eval, train, encoders ...), so
+evaluation and captioning prepare inputs exactly as in training. No optimizer, RNG or trainer
+state, and nothing of the training machine: the data root, the feature-cache folder and the run
+it started from are cleared (pass ``--data`` to evaluate it), and the number of data-loading
+worker processes goes back to the default, so a model trained on a large machine does not start
+a dozen workers on a laptop. Works for any registered model family.
 
 :func:`average_checkpoints` writes the same kind of checkpoint from the element-wise mean of
 several checkpoints of one model (weight averaging of the states along a training run, as in
-checkpoint averaging / stochastic weight averaging); :func:`write_checkpoint_folder` puts either
-in place without ever leaving a half-written or lost folder."""
+checkpoint averaging / stochastic weight averaging); :func:`tellkit.export.folder.write_checkpoint_folder`
+puts either in place without ever leaving a half-written or lost folder.
+
+``weights="int8"`` stores weight matrices as int8 with one float32 scale per row
+(:func:`quantize_int8`); :func:`tellkit.checkpoint.load_model` restores float32."""
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tellkit.checkpoint import CONFIG_NAME, carried_encoder_files, load_model, write_tensor_files
+from tellkit.checkpoint import (
+    INT8_SCALE,
+    carried_encoder_files,
+    load_model,
+    save_model,
+    unique_state,
+    write_tensor_files,
+)
 from tellkit.encoders.weights import read_weights_file
 from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
 
 # how an inference checkpoint stores its weights: float16 halves float32's size; int8 stores weight
-# matrices with one float32 scale per row (see tellkit.checkpoint.quantize_int8), the rest float16
+# matrices with one float32 scale per row (see quantize_int8), the rest float16
 WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "int8": torch.int8}
 
 # settings of the training machine, not of the model: (section, key) -> the exported value
@@ -35,8 +44,11 @@ MACHINE_LOCAL = {("data", "root"): None, ("data", "features"): None, ("train", "
                  ("train", "num_workers"): TrainConfig.num_workers}
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, weights: str = "float16",
-                      note: dict[str, Any] | None = None) -> Path:
+def export_safetensors(checkpoint: str | Path, out: str | Path, *, weights: str = "float16",
+                       note: dict[str, Any] | None = None) -> Path:
+    """The checkpoint folder (or run folder's checkpoint) ``checkpoint`` as a compact inference
+    checkpoint in ``out``: ``weights`` float16 (default), float32 or int8, ``note`` stored as
+    provenance under ``note`` in config.json."""
 
     model = load_model(checkpoint)
     carried = {key: _read_tensors(path) for key, path in
@@ -137,101 +149,32 @@ def _write_inference(model, meta: dict[str, Any], out: str | Path, *, weights: s
         name = Path(str(meta["encoders"][key])).name
         extra["encoders"] = {**extra["encoders"], key: name}
         files[name] = tensors
-    d = model.save_pretrained(out, extra=extra, dtype=WEIGHT_DTYPES[weights])
+    if weights == "int8":
+        d = save_model(model, out, extra={**extra, "weights_dtype": "int8"}, state=quantize_int8(unique_state(model)))
+    else:
+        d = save_model(model, out, extra=extra, dtype=WEIGHT_DTYPES[weights])
     if files:
         write_tensor_files(Path(d), files)
     return d
 
 
-def write_checkpoint_folder(out: str | Path, write: Callable[[Path], Any], *, replace: bool = False,
-                            sources: Sequence[Path] = ()) -> list[str]:
-    """Run ``write(folder)`` into a staging folder beside ``out``, then swap it in. An existing
-    non-empty ``out`` is refused unless ``replace`` (and it holds a checkpoint); its files that the
-    new checkpoint does not write (a README) are carried over, and their names returned. An
-    ``out`` that is a symbolic link to a folder has that folder replaced (the link stays); a
-    dangling link is refused. A place that cannot be written is refused before any checkpoint is
-    read. An interruption or error at any point leaves the old folder whole."""
-
-    given = Path(out)
-    out = _link_target(given)
-    if out.exists() and not out.is_dir():
-        raise TellkitError(f"{given}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()):
-        if not replace:
-            raise TellkitError(f"{given}: not empty (use --replace to replace a checkpoint folder)")
-        if not (out / CONFIG_NAME).is_file():
-            raise TellkitError(f"{given}: not a checkpoint folder (no {CONFIG_NAME}); refusing to replace it")
-    target = out.resolve()
-    for src in sources:
-        src = Path(src).resolve()
-        if target == src or src in target.parents:
-            raise TellkitError(f"{given}: inside the checkpoint {src} it is made from")
-    staging = out.with_name(out.name + ".export-tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    made = [p for p in staging.parents if not p.exists()]  # folders this call creates, deepest first
-    try:
-        staging.mkdir(parents=True)
-    except OSError as exc:
-        _remove_empty(made)
-        raise TellkitError(f"{given}: cannot write there ({_why(exc, staging)})") from None
-    kept: list[str] = []
-    try:
-        write(staging)
-        kept = _swap(staging, out)
-    except OSError as exc:
-        raise TellkitError(f"{given}: writing the checkpoint failed ({_why(exc, staging)})") from None
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not out.exists():
-            _remove_empty(made)
-    return kept
+INT8_MIN_ELEMENTS = 4096  # smaller floating-point tensors (biases, norms) are stored in float16
 
 
-def _link_target(out: Path) -> Path:
-    """``out`` made absolute, with a symbolic link at ``out`` followed to the folder it names."""
-    if not out.is_symlink():
-        return out.absolute()
-    target = out.resolve()
-    if not target.exists():
-        raise TellkitError(f"{out}: a symbolic link to {target}, which does not exist "
-                           "(give the folder itself, or remove the link)")
-    return target
-
-
-def _swap(staging: Path, out: Path) -> list[str]:
-    """Put ``staging`` at ``out``; an existing ``out`` is renamed aside first and restored on error."""
-    if not out.is_dir():
-        staging.rename(out)
-        return []
-    kept = []
-    for f in sorted(out.iterdir()):
-        if not (staging / f.name).exists():
-            (shutil.copytree if f.is_dir() else shutil.copy2)(f, staging / f.name)
-            kept.append(f.name)
-    old = out.with_name(out.name + ".export-old")
-    shutil.rmtree(old, ignore_errors=True)
-    out.rename(old)
-    try:
-        staging.rename(out)
-    except OSError:
-        old.rename(out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return kept
-
-
-def _remove_empty(folders: Sequence[Path]) -> None:
-    for p in folders:
-        try:
-            p.rmdir()
-        except OSError:
-            return
-
-
-def _why(exc: OSError, staging: Path) -> str:
-    """An OSError in a few words, naming the file unless it is the staging folder's own."""
-    what = exc.strerror or type(exc).__name__
-    name = exc.filename and Path(exc.filename)
-    if name and name != staging and staging not in name.parents:
-        return f"{what}: {name}"
-    return what
+def quantize_int8(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weight matrices (floating point, 2+ dimensions, at least INT8_MIN_ELEMENTS) as int8 with
+    one float32 scale per row (symmetric: row / (max |row| / 127), rounded), stored under
+    ``name + INT8_SCALE``; other floating-point tensors in float16, the rest unchanged. A quarter
+    of float32's size for the matrices; :func:`tellkit.checkpoint.dequantize_int8` restores float32."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if v.is_floating_point() and v.dim() >= 2 and v.numel() >= INT8_MIN_ELEMENTS:
+            rows = v.detach().float().reshape(v.size(0), -1)
+            scale = rows.abs().amax(1).clamp(min=1e-30) / 127.0
+            out[k] = torch.round(rows / scale[:, None]).clamp(-127, 127).to(torch.int8).reshape(v.shape)
+            out[k + INT8_SCALE] = scale.contiguous()
+        elif v.is_floating_point():
+            out[k] = v.to(torch.float16)
+        else:
+            out[k] = v
+    return out

@@ -1,4 +1,4 @@
-"""The pieces of a model that :mod:`tellkit.runtime.export` writes as ONNX graphs, each a small
+"""The pieces of a model that :mod:`tellkit.export.onnx` writes as ONNX graphs, each a small
 ``nn.Module`` over the trained model's own layers (no weight is copied or changed), written so
 that tracing records one general graph: no data-dependent Python branch, every state an
 explicit input and output.

@@ -1,9 +1,9 @@
 """``tellkit export MODEL --format onnx --out DIR``: a checkpoint's model as ONNX graphs that
-:mod:`tellkit.runtime.onnx` runs with ONNX Runtime, driven by the project's own searches.
+:mod:`tellkit.runtime.ort` runs with ONNX Runtime, driven by the project's own searches.
 
 What is exported is the model, never a search: the encoder, and one decoder step whose state
 (self-attention keys/values per layer, the projected memory; the LSTM state and the attention
-inputs) comes in and goes out as explicit tensors (the graphs: :mod:`tellkit.runtime.graphs`).
+inputs) comes in and goes out as explicit tensors (the graphs: :mod:`tellkit.export.onnx_graphs`).
 
 The folder is also the checkpoint it was made from: its ``config.json`` (the task, the model
 and its recipe sections: how inputs are prepared and searched) with an ``onnx`` entry naming the
@@ -37,7 +37,7 @@ from tellkit._version import __version__
 from tellkit.checkpoint import CONFIG_NAME, WEIGHTS_NAME, carried_encoder_files, load_model, read_json_file
 from tellkit.encoders.bundle import EncoderBundle
 from tellkit.errors import TellkitError
-from tellkit.runtime import graphs
+from tellkit.export import onnx_graphs as graphs
 from tellkit.utils.optional import require
 
 OPSET = 17

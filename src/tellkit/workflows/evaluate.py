@@ -117,8 +117,8 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
         if dataset is None or len(dataset) == 0:
             raise TellkitError(f"split '{split}' is empty")
         # the searches run on the runtime a pipeline would load (the loss is the PyTorch model's)
-        generating, _ = runtimes.generating_model(model, runtime, ckpt, read_checkpoint_config(ckpt), task.processor,
-                                                  device=info.device, dtype=dtype)
+        generating, _ = runtimes.generating_model(model, runtime, ckpt, read_checkpoint_config(ckpt),
+                                                  getattr(task, "processor", None), device=info.device, dtype=dtype)
         metrics, preds = run_eval(task, model, dataset, split, info,
                                   batch_size=eval_batch_size(recipe, batch_size),
                                   num_workers=int(section(recipe, "train").get("num_workers") or 0),

@@ -354,11 +354,11 @@ def test_captioning_task_reads_the_contexts_of_the_model_family():
     is not fed articles and faces it cannot read."""
     from tellkit.tasks.captioning import CaptioningTask
 
-    assert CaptioningTask({"task": "captioning", "model": {"name": "show_tell"}}).contexts == ("image",)
-    assert CaptioningTask({"task": "captioning", "model": {"name": "lstm_captioner"}}).contexts == ("image", "article")
-    tat = {"task": "captioning", "model": {"name": "transform_and_tell"}}
+    assert CaptioningTask({"task": "caption", "model": {"name": "show_tell"}}).contexts == ("image",)
+    assert CaptioningTask({"task": "caption", "model": {"name": "lstm_captioner"}}).contexts == ("image", "article")
+    tat = {"task": "caption", "model": {"name": "transform_and_tell"}}
     assert CaptioningTask(tat).contexts == ("image", "article", "faces")
-    tat_article = {"task": "captioning", "model": {"name": "transform_and_tell", "contexts": ["article"]}}
+    tat_article = {"task": "caption", "model": {"name": "transform_and_tell", "contexts": ["article"]}}
     assert CaptioningTask(tat_article).contexts == ("article",)
 
 

@@ -67,7 +67,7 @@ def test_table_trains_evaluates_and_prints_every_caption_baseline(tmp_path, shar
                                                 "LSTM + weighted MiniLM", "Transformer + static vectors",
                                                 "Transformer + weighted MiniLM", "Transformer, no image"]
     for r in table["rows"]:
-        assert r["steps"] == 2 and r["n"] == 5 and r["task"] == "captioning"
+        assert r["steps"] == 2 and r["n"] == 5 and r["task"] == "caption"
         assert {"bleu4", "rouge_l", "cider", "loss"} <= set(r["metrics"])
     fams = [r["family"] for r in table["rows"]]
     assert fams == ["show_tell", "show_attend_tell", "lstm_captioner", "lstm_captioner",

@@ -88,7 +88,7 @@ def test_json_with_faces_and_attention(tmp_path, capsys):
     model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512, max_len=8)
     ckpt = tmp_path / "ckpt"
     encoders = {"image": "mobilenet_v2", "article": "all-MiniLM-L6-v2", "faces": "facenet_casia"}
-    model.save_pretrained(ckpt, extra={"task": "captioning", "encoders": encoders})
+    model.save_pretrained(ckpt, extra={"task": "caption", "encoders": encoders})
     argv = ["caption", str(DEMO / "astronaut.jpg"), "--article", str(DEMO / "astronaut.txt"), "--model", str(ckpt)]
     assert main(argv + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -111,7 +111,7 @@ def test_default_model_captions_without_a_checkpoint(capsys):
     weights = DEFAULT_CHECKPOINT / "model.safetensors"
     assert weights.is_file() and weights.stat().st_size <= 25 * 2**20
     meta = json.loads((DEFAULT_CHECKPOINT / "config.json").read_text())
-    assert meta["task"] == "captioning" and meta["data"]["format"] == "flickr8k"
+    assert meta["task"] == "caption" and meta["data"]["format"] == "flickr8k"
     assert main(["caption", str(DEMO / "coffee.jpg")]) == 0
     caption = capsys.readouterr().out.strip()
     assert len(caption.split()) >= 3 and caption.endswith(".")  # a trained model writes a sentence

@@ -37,7 +37,7 @@ def tiny_reader(tmp_path_factory):
     """A tiny random BTTR checkpoint (no calibration) and an expression image."""
     d = tmp_path_factory.mktemp("conf")
     torch.manual_seed(0)
-    save_model(create_model("bttr/tiny"), d / "bttr", extra={"task": "recognition",
+    save_model(create_model("bttr/tiny"), d / "bttr", extra={"task": "recognize",
                                                             "eval": {"beam_size": 2, "max_len": 8}})
     return d / "bttr", _expression(d / "e.png")
 

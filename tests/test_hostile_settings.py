@@ -220,7 +220,7 @@ def test_a_caption_monitor_that_eval_metrics_leaves_out_is_refused_before_traini
     from tellkit.tasks.captioning import CaptioningTask
 
     def task(metrics, monitor):
-        return CaptioningTask({"task": "captioning", "model": {"name": "transform_and_tell"},
+        return CaptioningTask({"task": "caption", "model": {"name": "transform_and_tell"},
                                "eval": {"metrics": metrics, "monitor": monitor}})
 
     with pytest.raises(TellkitError, match="eval.monitor 'cider'.*'cider' metric"):

@@ -30,7 +30,7 @@ def tiny_bttr(folder: Path, seed: int = 0) -> Path:
     from tellkit.registry import create_model
 
     torch.manual_seed(seed)
-    extra = {"task": "recognition", "eval": {"beam_size": 3, "max_len": 12}, "data": {"cache": None}}
+    extra = {"task": "recognize", "eval": {"beam_size": 3, "max_len": 12}, "data": {"cache": None}}
     create_model("bttr/tiny").save_pretrained(folder, extra=extra)
     return folder
 
@@ -45,7 +45,7 @@ def tiny_sat(folder: Path, seed: int = 0) -> Path:
                          adaptive_cutoffs=[5000, 20000], adaptive_input=True, max_len=8)
     with torch.no_grad():  # a readable head: common words likelier, so captions are not all one token
         model.out.adaptive.head_words.mul_(4)
-    model.save_pretrained(folder, extra={"task": "captioning", "encoders": {"image": "efficientnet_lite0"},
+    model.save_pretrained(folder, extra={"task": "caption", "encoders": {"image": "efficientnet_lite0"},
                                          "data": {"context": "none"}, "eval": {"beam_size": 3, "max_len": 8}})
     return folder
 
@@ -130,7 +130,7 @@ def test_bttr_pipeline_on_onnx_gives_pytorchs_answers(tmp_path, capsys):
     assert main(["export", str(ck), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 0
     assert "ONNX graphs" in capsys.readouterr().out
     meta = json.loads((tmp_path / "onnx" / "config.json").read_text())
-    assert meta["task"] == "recognition" and meta["family"] == "bttr" and meta["eval"]["beam_size"] == 3
+    assert meta["task"] == "recognize" and meta["family"] == "bttr" and meta["eval"]["beam_size"] == 3
     assert sorted(meta["onnx"]["graphs"]) == ["encoder", "memory", "score", "step"]
     inputs = [str(p) for p in INKML] + [str(SAMPLES / "bttr_x2_plus_1.png")]
     ref = tellkit.pipeline("recognize", ck)(inputs)
@@ -232,7 +232,7 @@ def test_export_refuses_what_it_does_not_cover(tmp_path, capsys):
     from tellkit.cli import main
     from tellkit.registry import create_model
 
-    create_model("bttr/tiny", variant="tellkit-0.1").save_pretrained(tmp_path / "old", extra={"task": "recognition"})
+    create_model("bttr/tiny", variant="tellkit-0.1").save_pretrained(tmp_path / "old", extra={"task": "recognize"})
     assert main(["export", str(tmp_path / "old"), "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
     assert "reference variant" in capsys.readouterr().err
     ck = tiny_bttr(tmp_path / "bttr")

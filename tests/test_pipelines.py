@@ -111,7 +111,7 @@ def test_generation_config_is_read_once_and_overridden_by_flags():
 # --- the captioning pipeline ---------------------------------------------------------------------
 def test_pipeline_uses_the_checkpoint_generation_settings(tmp_path, monkeypatch):
     model = tiny(["image"])
-    model.save_pretrained(tmp_path / "ck", extra={"task": "captioning", "eval": {"beam_size": 3, "max_len": 5},
+    model.save_pretrained(tmp_path / "ck", extra={"task": "caption", "eval": {"beam_size": 3, "max_len": 5},
                                                   "data": {"context": "none"}})
     made = []
 
@@ -127,7 +127,7 @@ def test_pipeline_uses_the_checkpoint_generation_settings(tmp_path, monkeypatch)
     assert len(res["tokens"]) <= 5 and (res["grid"]["rows"], res["grid"]["cols"]) == (2, 2)
     assert "objects" not in res and res["article_tokens"] == [] and res["faces"] == []
 
-    model.save_pretrained(tmp_path / "typo", extra={"task": "captioning", "eval": {"beam": 3}})
+    model.save_pretrained(tmp_path / "typo", extra={"task": "caption", "eval": {"beam": 3}})
     with pytest.raises(TellkitError, match="eval: unknown key"):
         P.CaptioningPipeline.load(tmp_path / "typo")
 
@@ -181,7 +181,7 @@ def test_caption_json_reports_the_empty_objects_context(tmp_path, capsys):
     from tellkit.cli import main
 
     model = tiny(["image", "objects"], image_dim=1280, object_dim=2048)
-    model.save_pretrained(tmp_path / "ck", extra={"task": "captioning", "encoders": {"image": "mobilenet_v2"}})
+    model.save_pretrained(tmp_path / "ck", extra={"task": "caption", "encoders": {"image": "mobilenet_v2"}})
     assert main(["caption", str(DEMO / "coffee.jpg"), "--model", str(tmp_path / "ck"), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["objects"]["count"] == 0 and "no object detector" in out["objects"]["note"]
@@ -283,7 +283,7 @@ def test_evaluate_with_dtype_writes_under_runs_and_names_the_dtype(tmp_path, mon
     (tmp_path / "data" / "test" / "2014" / "e0.inkml").write_text(sample.read_text())  # it holds its truth
     torch.manual_seed(0)
     ckpt = tmp_path / "models" / "bttr"
-    extra = {"task": "recognition", "eval": {"beam_size": 2, "max_len": 6}, "data": {"cache": None}}
+    extra = {"task": "recognize", "eval": {"beam_size": 2, "max_len": 6}, "data": {"cache": None}}
     create_model("bttr/tiny").save_pretrained(ckpt, extra=extra)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(precision, "cpu_has_bf16", lambda: False)

@@ -303,7 +303,7 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
     from tellkit.tasks.captioning import CaptionProcessor
 
     cap, _ = backends
-    save_model(cap.model, tmp_path / "tat", extra={"task": "captioning", "train": {"lr": 1e-3}})
+    save_model(cap.model, tmp_path / "tat", extra={"task": "caption", "train": {"lr": 1e-3}})
     # reuse the loaded encoders
     monkeypatch.setattr(CaptionProcessor, "recipe_bundle", staticmethod(lambda *a, **kw: cap.processor.bundle))
     loaded = CaptioningPipeline.load(tmp_path / "tat")
@@ -312,7 +312,7 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
 
     # a run folder from the training loop: checkpoints/best -> step_N with trainer_state.json
     step = tmp_path / "run" / "checkpoints" / "step_00000007"
-    save_model(cap.model, step, extra={"task": "captioning", "train": {"lr": 1e-3}})
+    save_model(cap.model, step, extra={"task": "caption", "train": {"lr": 1e-3}})
     (step / "trainer_state.json").write_text(json.dumps({"step": 7, "best": 3.5, "best_step": 7}))
     os.symlink("step_00000007", tmp_path / "run" / "checkpoints" / "best")
     run = CaptioningPipeline.load(tmp_path / "run")

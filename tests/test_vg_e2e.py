@@ -41,7 +41,7 @@ def _tiny(tmp_path, kind, shared_data):
 @pytest.mark.parametrize("path", sorted(VG.glob("*.yaml")), ids=lambda p: p.name)
 def test_recipes_parse(path):
     recipe = load_yaml(path)
-    assert recipe["task"] == "summarization" and recipe["model"]["name"] == "vg_gplm"
+    assert recipe["task"] == "summarize" and recipe["model"]["name"] == "vg_gplm"
     task = SummarizationTask(recipe)  # validates data / eval sections and the model config
     tc = train_config(recipe)
     assert task.monitor == "rouge2" and task.monitor_mode == "max"

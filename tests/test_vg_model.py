@@ -244,7 +244,7 @@ def test_boosted_parameters_are_the_references(backbone):
     assert names and all(n.startswith("encoder_fusion.") and ".norm." not in n for n in names)
     assert {n for n in names if ".gate." in n} and {n for n in names if ".attention." in n}
     assert not {n for n, _ in m.named_parameters() if n.startswith("visual_encoder.")} & names
-    recipe = {"task": "summarization", "model": {"name": "vg_gplm", "backbone": str(backbone), **FULL}}
+    recipe = {"task": "summarize", "model": {"name": "vg_gplm", "backbone": str(backbone), **FULL}}
     groups = SummarizationTask(recipe).param_groups(m, 1e-3)
     assert [g["lr"] for g in groups] == [1e-3, pytest.approx(5e-3)]
     assert {id(p) for p in groups[1]["params"]} == boosted

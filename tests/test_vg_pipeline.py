@@ -29,7 +29,7 @@ def ckpt(tmp_path_factory):
     torch.manual_seed(0)
     model = VGGPLM(VGGPLMConfig(backbone=str(bb), fusion="dot_product", forget_gate=True, video_dim=12, dropout=0.0))
     model.load_backbone_weights()
-    extra = {"task": "summarization",
+    extra = {"task": "summarize",
              "data": {"max_frames": 4, "max_source_tokens": 9, "source_prefix": "learn "},
              "eval": {"beam_size": 2, "max_len": 5, "no_repeat_ngram_size": 0, "batch_size": 3, "metrics": ["rouge"]}}
     return model.save_pretrained(d / "ckpt", extra=extra, tokenizer=load_tokenizer(bb))

@@ -2,7 +2,7 @@
 
 A run recipe (``configs/**.yaml``) is a mapping with sections, e.g.::
 
-    task: captioning          # which tellkit.tasks entry trains/evaluates it
+    task: caption             # which tellkit.tasks entry trains/evaluates it
     model: {name: transform_and_tell, d_model: 1024, ...}
     data: {...}
     train: {...}

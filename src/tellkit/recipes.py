@@ -27,14 +27,16 @@ Each task has ONE generation config (like Hugging Face's ``GenerationConfig``), 
 (:class:`GenerationSettings`: ``from_section``, ``updated``, ``kwargs``, the search caps); a
 task's ``eval`` section is its generation config plus how predictions are scored.
 
-Also owned here: the values a recipe may name that several layers read (data formats, context
-modes, the packaged encoders), the packaged default models (:func:`packaged_default`) and the
+Also owned here: the task keys (:data:`TASK_KEYS`, :func:`task_key`), the values a recipe may name
+that several layers read (data formats, context modes, the packaged encoders), the packaged
+default models (:func:`packaged_default`) and the
 checkpoint metadata keys a recipe section may not use (:data:`RESERVED_CHECKPOINT_KEYS`). This
 module imports only :mod:`tellkit.config` and :mod:`tellkit.errors`.
 """
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,6 +53,31 @@ SPLITS = ("train", "val", "test")
 # checkpoint metadata written beside the recipe sections in config.json (tellkit.checkpoint)
 RESERVED_CHECKPOINT_KEYS = ("format_version", "family", "config", "tellkit_version")
 
+# --- task keys ------------------------------------------------------------------------------------
+# One key per task, its command's name, used everywhere: the command, ``tellkit.pipeline(task)``,
+# the task registry (``@register_task``), a recipe's and a checkpoint's ``task:``, the server's
+# route (``/api/<task>``) and its ``--models`` / ``--checkpoint`` names
+TASK_KEYS = ("caption", "recognize", "summarize")
+# the names these tasks had before (registry and recipes; the server's "math"), still read
+FORMER_TASK_NAMES = {"captioning": "caption", "recognition": "recognize", "math": "recognize",
+                     "summarization": "summarize"}
+_told: set[tuple[str, str]] = set()
+
+
+def task_key(name: Any, where: str = "task") -> Any:
+    """The key of the task ``name`` names: a former name (:data:`FORMER_TASK_NAMES`) is read as
+    its key, with a one-line deprecation message on standard error (once per name and place);
+    anything else comes back unchanged (the caller refuses what it does not know)."""
+    new = FORMER_TASK_NAMES.get(name) if isinstance(name, str) else None
+    if new is None:
+        return name
+    if (name, where) not in _told:
+        _told.add((name, where))
+        logging.getLogger("tellkit").warning("tellkit: %s '%s' is deprecated, the task is now called '%s'",
+                                             where, name, new)
+    return new
+
+
 # --- the packaged default models ------------------------------------------------------------------
 ASSETS = Path(__file__).resolve().parent / "assets"
 # the default model of each pipeline task, named by its command (`tellkit caption`, `tellkit recognize`;
@@ -60,11 +87,9 @@ PACKAGED_DEFAULTS: dict[str, Path] = {"caption": ASSETS / "default_caption", "re
 
 def packaged_default(task: str) -> Path | None:
     """The packaged default checkpoint of ``task`` ("caption" or "recognize") when it is
-    installed (its weights file is there), else None."""
-    if task not in PACKAGED_DEFAULTS:
-        raise TellkitError(f"no packaged default model for '{task}'; there is one for: {', '.join(PACKAGED_DEFAULTS)}")
-    path = PACKAGED_DEFAULTS[task]
-    return path if (path / "model.safetensors").is_file() else None
+    installed (its weights file is there), else None (also for a task that ships none)."""
+    path = PACKAGED_DEFAULTS.get(task)
+    return path if path is not None and (path / "model.safetensors").is_file() else None
 
 
 # --- reading a section ----------------------------------------------------------------------------

@@ -98,19 +98,19 @@ def read_rows(path: str, task: str, cider_at_least: float) -> tuple[list, list, 
             continue
         try:
             row = json.loads(line)
-            if task == "recognition":
+            if task == "recognize":
                 ok, n = bool(row["correct"]), len(str(row["prediction"]).split())
             else:
                 ok, n = float(row["scores"]["cider"]) >= cider_at_least, int(row["length"])
             sc = row["score"]
         except (ValueError, KeyError, TypeError) as exc:
-            need = "correct, prediction, score" if task == "recognition" else "score, length, scores.cider"
+            need = "correct, prediction, score" if task == "recognize" else "score, length, scores.cider"
             raise TellkitError(f"--predictions: {path}: line {k} is not a prediction of `tellkit evaluate` for this "
                                f"model (needs {need}; {type(exc).__name__}: {exc})") from None
         scores.append(None if sc is None or not math.isfinite(float(sc)) else float(sc))
         lengths.append(n)
         right.append(ok)
-    means = ("exact match of the LaTeX tokens" if task == "recognition"
+    means = ("exact match of the LaTeX tokens" if task == "recognize"
              else f"caption CIDEr-D (x100) >= {cider_at_least:g} against the image's references")
     return scores, lengths, right, means
 
@@ -118,18 +118,19 @@ def read_rows(path: str, task: str, cider_at_least: float) -> tuple[list, list, 
 def run(args) -> int:
     from tellkit.checkpoint import CONFIG_NAME, atomic_write_json, read_checkpoint_config, resolve_checkpoint  # heavy
     from tellkit.decoding import confidence  # heavy
+    from tellkit.recipes import task_key  # heavy
 
     src = resolve_checkpoint(args.checkpoint, follow_links=False)
     meta = read_checkpoint_config(src)
-    task = meta.get("task")
-    if task not in ("recognition", "captioning"):
+    task = task_key(meta.get("task"), f"{src}: task:")
+    if task not in ("recognize", "caption"):
         raise TellkitError(f"{src}: a '{task}' model; calibrate fits formula readers and captioners")
     share = confidence.DEFAULT_UNSURE_SHARE if args.unsure_share is None else args.unsure_share
     scores, lengths, right, means = read_rows(args.predictions, task, args.cider_at_least)
     fitted_on = args.fitted_on or f"{Path(args.predictions).name} ({len(scores)} answers)"
     cal = confidence.fit(scores, lengths, right, unsure_share=share, right_means=means, fitted_on=fitted_on)
     if args.typical or args.typical_list:
-        if task != "captioning":
+        if task != "caption":
             raise TellkitError("--typical: the input check is for captioners")
         paths = typical_paths(args)
         check = confidence.fit_input_check(typical_features(src, paths, args.device), share=args.typical_share,

@@ -37,13 +37,13 @@ HELP = "train + evaluate several recipes on one data set and print a results tab
 
 # metric key -> column title, per task (the papers' tables)
 COLUMNS = {
-    "captioning": [("bleu4", "BLEU-4"), ("rouge_l", "ROUGE"), ("meteor", "METEOR"), ("cider", "CIDEr"),
-                   ("entities_precision", "NE P"), ("entities_recall", "NE R"),
-                   ("person_precision", "Names P"), ("person_recall", "Names R"),
-                   ("rare_proper_nouns_precision", "Rare P"), ("rare_proper_nouns_recall", "Rare R"),
-                   ("length", "Len"), ("ttr", "TTR")],
-    "summarization": [("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"), ("rougeL", "ROUGE-L"),
-                      ("bleu4", "BLEU-4"), ("meteor", "METEOR"), ("cider", "CIDEr"), ("content_f1", "Content F1")],
+    "caption": [("bleu4", "BLEU-4"), ("rouge_l", "ROUGE"), ("meteor", "METEOR"), ("cider", "CIDEr"),
+                ("entities_precision", "NE P"), ("entities_recall", "NE R"),
+                ("person_precision", "Names P"), ("person_recall", "Names R"),
+                ("rare_proper_nouns_precision", "Rare P"), ("rare_proper_nouns_recall", "Rare R"),
+                ("length", "Len"), ("ttr", "TTR")],
+    "summarize": [("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"), ("rougeL", "ROUGE-L"),
+                  ("bleu4", "BLEU-4"), ("meteor", "METEOR"), ("cider", "CIDEr"), ("content_f1", "Content F1")],
 }
 
 
@@ -74,7 +74,9 @@ EXTRA_BLEU = [("bleu1", "BLEU-1"), ("bleu2", "BLEU-2"), ("bleu3", "BLEU-3")]
 def _columns(done: list[dict]) -> list[tuple[str, str]]:
     """The metric columns: the tasks' (a column appears when any row has it), BLEU-1..3 first
     when a row's published figures have them; every metric for an unknown task."""
-    tasks = {r["task"] for r in done}
+    from tellkit.recipes import task_key  # heavy
+
+    tasks = {task_key(r["task"], "a table row's task") for r in done}
     published = {k for r in done for k in ((r.get("published") or {}).get("metrics") or {})}
     cols = [c for c in EXTRA_BLEU if c[0] in published] + [c for t in sorted(tasks) for c in COLUMNS.get(t, [])]
     seen, columns = set(), []

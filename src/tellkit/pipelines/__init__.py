@@ -9,8 +9,10 @@ processor, the one evaluation uses.
 - :mod:`tellkit.pipelines.recognition`: handwritten math (image, InkML, strokes) -> LaTeX.
 - :mod:`tellkit.pipelines.summarization`: transcript (+ video features) -> summary.
 
-:func:`pipeline` picks one by task name (the command's name). Modules are imported on demand:
-``import tellkit.pipelines`` loads no model code.
+:func:`pipeline` picks one by the task's key (the command's name, the key the task registry,
+recipes, checkpoints and the server use: :data:`tellkit.recipes.TASK_KEYS`; a former name is
+read with a deprecation message). Modules are imported on demand: ``import tellkit.pipelines``
+loads no model code.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import importlib
 from typing import Any
 
 from tellkit.errors import TellkitError
+from tellkit.recipes import task_key
 
 # task (the command's name) -> the module and class of its pipeline
 TASKS = {"caption": ("captioning", "CaptioningPipeline"), "recognize": ("recognition", "RecognitionPipeline"),
@@ -27,6 +30,7 @@ TASKS = {"caption": ("captioning", "CaptioningPipeline"), "recognize": ("recogni
 
 def pipeline_class(task: str):
     """The pipeline class of ``task`` ("caption", "recognize" or "summarize")."""
+    task = task_key(task, "tellkit.pipeline task")
     if task not in TASKS:
         near = difflib.get_close_matches(str(task), TASKS, n=1)
         hint = f" (did you mean '{near[0]}'?)" if near else ""

@@ -122,7 +122,7 @@ class Pipeline:
     @classmethod
     def default_model(cls) -> Path:
         """The packaged default checkpoint of the task (a one-line error when there is none)."""
-        path = packaged_default(cls.task) if cls.task in ("caption", "recognize") else None
+        path = packaged_default(cls.task)
         if path is None:
             raise TellkitError(f"no packaged default model for '{cls.task}' is installed: pass a checkpoint "
                                "(model=DIR, --model DIR)")

@@ -485,12 +485,20 @@ class CaptionDataset(Dataset):
 
 
 # --- the task ---------------------------------------------------------------------------------
-@register_task("captioning")
+@register_task("caption")
 class CaptioningTask(Task):
     """``bundle``: the encoders to use (e.g. one shared by several runs, see ``tellkit table``);
     default: the recipe's ``encoders:`` built on first use."""
 
     task_sections = ("scst",)
+    caches_features = True
+
+    @classmethod
+    def shared_options(cls, recipe: Mapping[str, Any], memo: dict) -> dict[str, Any]:
+        """A bundle that shares the built encoders and remembers image / article encodings
+        across the runs of one process, in ``memo``."""
+        contexts = model_contexts(section(recipe, "model"))
+        return {"bundle": CaptionProcessor.recipe_bundle(recipe, contexts, shared_encoders=memo, memo=memo)}
 
     def __init__(self, recipe: Mapping[str, Any], bundle: EncoderBundle | None = None):
         super().__init__(recipe)

@@ -210,7 +210,7 @@ class RecognitionProcessor(Processor):
         return results
 
 
-@register_task("recognition")
+@register_task("recognize")
 class RecognitionTask(Task):
     monitor = "exprate"
     monitor_mode = "max"

@@ -188,7 +188,7 @@ class SummaryProcessor(Processor):
                 for text, n, ignored in zip(self.texts(outputs), batch["frames"], batch["video_ignored"])]
 
 
-@register_task("summarization")
+@register_task("summarize")
 class SummarizationTask(Task):
     monitor = "rouge2"
     monitor_mode = "max"

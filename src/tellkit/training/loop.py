@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from tellkit.checkpoint import load_weights_into
 from tellkit.config import check_recipe_sections, to_dict
 from tellkit.errors import TellkitError
-from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig, train_config
+from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig, task_key, train_config
 from tellkit.training import distributed
 from tellkit.training.bert_adam import BertAdam
 from tellkit.training.evaluation import autocast, make_loader, plain_batches, run_eval, to_device
@@ -358,6 +358,8 @@ class Trainer:
         self.state = TrainerState(world=dist.world)
         self.t0, self.seconds_before = time.time(), 0.0
         self.resolved = json.loads(json.dumps({**dict(recipe), "train": to_dict(cfg)}))  # plain YAML/JSON types
+        if "task" in self.resolved:  # checkpoints name their task by its key, never by a former name
+            self.resolved["task"] = task_key(self.resolved["task"], "the recipe's task:")
         self.saved: SavedState | None = None
         self.tb = self.train_csv = self.eval_csv = None
         self.lock: RunLock | None = None  # the run folder's owner lock (main process)
@@ -390,6 +392,8 @@ class Trainer:
                 if not isinstance(saved, dict):
                     raise TellkitError(f"--resume: {cfg_file} holds no recipe "
                                        f"(a {type(saved).__name__}, not a mapping)")
+                if "task" in saved:
+                    saved["task"] = task_key(saved["task"], f"{cfg_file}: task:")
                 diff = sorted(str(k) for k in set(saved) | set(self.resolved) if saved.get(k) != self.resolved.get(k))
                 if diff:
                     raise TellkitError("--resume: the config differs from the run's saved config.yaml "

@@ -47,12 +47,21 @@ class Task:
     # the compute precision of generation in evaluation (a tellkit.utils.precision.Precision:
     # ``tellkit evaluate --dtype``); None: float32
     precision = None
+    # whether the task encodes its inputs with frozen encoders into features a disk cache
+    # (``data.features``) can hold, which the rows of one ``tellkit table`` run may share
+    caches_features: bool = False
 
     def __init__(self, recipe: Mapping[str, Any]):
         self.recipe = dict(recipe)  # the resolved recipe: task, model, data, train, eval sections
         for name in TASK_SECTIONS:
             if self.recipe.get(name) is not None and name not in self.task_sections:
                 raise TellkitError(f"the recipe has an '{name}' section, which the '{self.name}' task does not read")
+
+    @classmethod
+    def shared_options(cls, recipe: Mapping[str, Any], memo: dict) -> dict[str, Any]:
+        """Constructor options that let several runs in one process (the rows of ``tellkit
+        table``) share work through ``memo`` (built encoders, say); default: none."""
+        return {}
 
     # --- model -------------------------------------------------------------------------
     def build_model(self) -> nn.Module:

@@ -21,7 +21,7 @@ from tellkit import runtime as runtimes
 from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_checkpoint
 from tellkit.config import deep_merge, parse_overrides
 from tellkit.errors import TellkitError
-from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, SPLITS, eval_batch_size, section
+from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, SPLITS, eval_batch_size, section, task_key
 from tellkit.tasks import make_task
 from tellkit.training import distributed
 from tellkit.training.evaluation import run_eval, write_eval_outputs
@@ -39,6 +39,7 @@ def checkpoint_recipe(checkpoint: str | os.PathLike, meta: Mapping[str, Any] | N
     if not isinstance(meta["task"], str):
         raise TellkitError(f"{checkpoint}: 'task' in config.json must be a task name")
     recipe = {k: v for k, v in meta.items() if k not in RESERVED_CHECKPOINT_KEYS}
+    recipe["task"] = task_key(meta["task"], f"{checkpoint}: task:")  # a former name, still read
     recipe["model"] = {"name": meta["family"], **meta["config"]}
     for name in ("data", "eval", "train"):
         recipe[name] = section(recipe, name, where=f"{checkpoint}: config.json")
@@ -124,7 +125,8 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
                                   num_workers=int(section(recipe, "train").get("num_workers") or 0),
                                   progress=progress, generator=generating)
         result = EvalResult(ckpt, split, metrics, preds, model.num_parameters(trainable_only=True),
-                            info={"checkpoint": str(ckpt), "task": recipe["task"], "dtype": task.precision.name,
+                            info={"checkpoint": str(ckpt), "task": task_key(recipe["task"]),
+                                  "dtype": task.precision.name,
                                   **({"runtime": runtime} if runtime not in (None, "torch") else {}),
                                   **({"dtype_note": task.precision.note} if task.precision.note else {}),
                                   **getattr(task, "eval_info", {})})

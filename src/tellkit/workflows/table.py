@@ -17,9 +17,9 @@ from typing import Any
 from tellkit.checkpoint import atomic_write_json
 from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path
 from tellkit.errors import TellkitError
-from tellkit.recipes import section
-from tellkit.tasks import make_task
-from tellkit.tasks.captioning import CaptionProcessor, model_contexts
+from tellkit.recipes import section, task_key
+from tellkit.tasks import get_task, make_task
+from tellkit.tasks.captioning import model_contexts
 from tellkit.training.loop import logged_train_seconds, train
 from tellkit.training.task import Task
 from tellkit.workflows.evaluate import evaluate_checkpoint
@@ -61,12 +61,9 @@ def feature_key(recipe: Mapping[str, Any]) -> str:
 
 
 def _row_task(recipe: Mapping[str, Any]) -> Task:
-    """The recipe's task; a captioning task gets a bundle that shares the built encoders and
-    remembers image / article encodings across the rows of this run, in memory."""
-    if recipe.get("task") != "captioning":
-        return make_task(recipe)
-    contexts = model_contexts(section(recipe, "model"))
-    return make_task(recipe, bundle=CaptionProcessor.recipe_bundle(recipe, contexts, shared_encoders=_MEMO, memo=_MEMO))
+    """The recipe's task, sharing what it can with the other rows of this run (a captioning
+    task: the built encoders and their encodings, in memory: :meth:`Task.shared_options`)."""
+    return make_task(recipe, **get_task(recipe["task"]).shared_options(recipe, _MEMO))
 
 
 def published_numbers(value: Any, where: str) -> dict[str, Any] | None:
@@ -100,7 +97,7 @@ def _table_recipe(cfg_path: Path, opts: TableOptions) -> tuple[dict[str, Any], s
     recipe = deep_merge(deep_merge(recipe, extra), parse_overrides(list(opts.overrides)))
     if "task" not in recipe:
         raise TellkitError(f"{cfg_path}: the recipe has no 'task:'")
-    if recipe["task"] == "captioning":
+    if get_task(recipe["task"], f"{cfg_path}: task:").caches_features:
         recipe["data"] = dict(recipe.get("data") or {})
         if not cacheable(recipe):
             recipe["data"].pop("features", None)  # encoded in memory, shared across rows (see _row_task)
@@ -151,7 +148,7 @@ def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], 
         raise TellkitError(f"{label}: {exc}") from exc
     preds = result.predictions
     row = {
-        "row": label, "config": str(path), "task": recipe["task"], "family": recipe["model"]["name"],
+        "row": label, "config": str(path), "task": task_key(recipe["task"]), "family": recipe["model"]["name"],
         "encoder": section(recipe, "encoders").get("image"), "params": result.parameters,
         "steps": summary["steps"], "train_seconds": t_train,
         "eval_seconds": round(time.time() - t0, 1), "split": opts.split, "n": len(preds),

@@ -8,7 +8,7 @@ of the summarization task (How2 transcript -> summary).
     decoder     s_i = GRU([E y_{i-1}; c_i], s_{i-1})
     output      t_i = maxout_2(T_s s_i + T_y E y_{i-1} + T_c c_i),  p(y_i) = softmax(W_o t_i)
 
-It plugs into the summarization task (``task: summarization``, batches of ``input_ids``,
+It plugs into the summarization task (``task: summarize``, batches of ``input_ids``,
 ``attention_mask``, ``labels`` with -100 at padding) like VG-BART: ``backbone`` names the
 tokenizer (an HF tokenizer folder or hub name; only its vocabulary is used: this model is
 trained from scratch, so :meth:`load_backbone_weights` has nothing to load), ``fusion: none``

@@ -37,8 +37,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # pytest's exit status 5 (nothing collected) is non-zero, so make fails on it like on a failure.
+# The precision tests run a second time with oneDNN and ATen held to AVX2, so that a CPU with
+# AVX-512 or native bf16 proves the paths of a CPU without them too.
 test: setup lint
 	$(BIN)/python -m pytest -q
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m precision
 
 # dist/tellkit-*.whl with everything the package reads at run time (recipes, default models, the
 # demo page and its KaTeX); build/lib is cleared first so that no stale module slips in.

@@ -23,6 +23,7 @@ def test_recompute_decoder_matches_incremental_decoder():
     assert [h.tokens for h in inc] == [h.tokens for h in full]
 
 
+@pytest.mark.precision
 def test_tat_generation_bench_runs_under_bf16_and_says_so():
     """The bf16 row is the same incremental generation under autocast, and names its dtype."""
     from tellkit.bench.tat import generation
@@ -61,6 +62,28 @@ def test_tat_bench_alternates_its_rows_and_keeps_each_ones_fastest(monkeypatch, 
         assert row["who"] == name
     if with_bf16:  # seconds 5, 6, 7 then 4, 8, 3: packed and low from round 2, plain from round 1
         assert [best[n]["round"] for n in names] == [4, 2, 6]
+
+
+@pytest.mark.precision
+def test_tat_bench_bf16_row_names_the_reason_where_the_cpu_has_no_native_bf16(monkeypatch):
+    """On a CPU without native bf16 the bf16 rows are not run: each says why in the JSON, and the
+    result names the CPU's bf16 capability."""
+    import tellkit.bench.tat as tat_bench
+    from tellkit.utils import precision
+
+    monkeypatch.setattr(precision, "bf16_support",
+                        lambda: precision.Bf16Support(False, False, "this CPU has no native bfloat16 (test)", "AVX2"))
+    monkeypatch.setattr(tat_bench, "bf16_support", precision.bf16_support)
+    tiny = tellkit.create_model("tat/tiny", vocab_size=99, adaptive_cutoffs=[20, 50])
+    monkeypatch.setattr(tat_bench.tellkit, "create_model", lambda name, **kw: tiny)
+    monkeypatch.setattr(tat_bench, "fp32_peak_gflops", lambda repeat: {"peak": 1.0})
+    monkeypatch.setattr(tat_bench, "training", lambda *a, **k: {})
+    monkeypatch.setattr(tat_bench, "fake_batch", lambda cfg, bs, **kw: fake_batch(cfg, bs, n_image=4, n_article=6,
+                                                                                  n_faces=2))
+    res = tat_bench.run(quick=True)
+    assert res["cpu_bf16"]["native_bf16"] is False and res["cpu_bf16"]["isa"] == "AVX2"
+    for row in res["generation_greedy"].values():
+        assert row["bf16"] == {"skipped": "this CPU has no native bfloat16 (test): running in float32"}
 
 
 def test_bench_cli_rejects_unknown_suite(tmp_path):

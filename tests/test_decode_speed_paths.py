@@ -17,6 +17,8 @@ from tellkit.layers import attention
 from tellkit.layers.attention import MultiheadAttention
 from tellkit.utils.precision import autocast_input
 
+pytestmark = pytest.mark.precision
+
 
 def test_autocast_input_casts_float32_only_inside_autocast():
     x = torch.randn(3, 4)

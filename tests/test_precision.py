@@ -20,6 +20,7 @@ from tellkit.training.loop import LRSchedule  # noqa: E402
 from tellkit.utils import precision  # noqa: E402
 from tellkit.workflows import train_recipe  # noqa: E402
 
+pytestmark = pytest.mark.precision
 HAS_BF16 = precision.cpu_has_bf16()
 
 
@@ -35,6 +36,36 @@ def test_resolve_on_the_cpu(monkeypatch):
     assert precision.dtype_name("BF16") == "bfloat16" and precision.dtype_name("fp32") == "float32"
     with pytest.raises(ValueError, match="unknown dtype"):
         precision.dtype_name("int4")
+
+
+def test_the_one_bf16_check_tells_native_from_packed_and_names_the_cpu():
+    s = precision.bf16_support()
+    assert isinstance(s.native, bool) and isinstance(s.packed, bool) and s.isa
+    assert s.reason == "" if s.native else "no native bfloat16" in s.reason
+    assert not s.native or s.packed  # native bf16 implies oneDNN's packed product runs
+    assert precision.cpu_has_bf16() is s.native
+    assert precision.resolve("cpu", "bfloat16").dtype == ("bfloat16" if s.native else None)
+
+
+@pytest.mark.parametrize("env", [{"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"DNNL_MAX_CPU_ISA": "avx2"},
+                                 {"ATEN_CPU_CAPABILITY": "avx2"}, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}])
+def test_an_environment_cap_holds_the_check_to_its_instruction_set(env):
+    """Run in a fresh process (the check is computed once per process): a cap below AVX512-BF16
+    takes native bf16 away on any CPU, and a cap below AVX-512 the packed product too."""
+    import os
+    import subprocess
+
+    code = ("import json; from tellkit.utils import precision as p; s = p.bf16_support(); "
+            "print(json.dumps([s.native, s.packed, s.reason, p.resolve('cpu', 'bfloat16').note]))")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                         check=True).stdout
+    native, packed, reason, note = json.loads(out)
+    assert native is False and "held to" in reason and reason.split("held to ")[1].startswith(next(iter(env)))
+    assert note.endswith("running in float32") and "no native bfloat16" in note
+    if "AVX2" in next(iter(env.values())).upper():
+        assert packed is False
 
 
 def test_autocast_computes_in_bf16_only_where_granted(monkeypatch):
@@ -111,3 +142,13 @@ def test_a_deadline_saves_and_stops_then_the_run_resumes(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "last").exists()
     s = train_recipe(r, tmp_path / "run", progress=False, resume=True)
     assert s["stopped"] == "max_epochs" and s["steps"] == 18
+
+
+def test_model_info_names_what_bf16_gets_on_this_cpu(capsys):
+    from tellkit.cli import main
+
+    assert main(["model-info", "configs/bttr/crohme.yaml"]) == 0
+    info = json.loads(capsys.readouterr().out)["cpu_bf16"]
+    s = precision.bf16_support()
+    assert info["native_bf16"] is s.native and info["packed_bf16_products"] is s.packed and info["isa"] == s.isa
+    assert ("note" in info) is (not s.native)

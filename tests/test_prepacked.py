@@ -12,9 +12,12 @@ import tellkit
 from tellkit.bench.tat import fake_batch
 from tellkit.layers import rows
 from tellkit.layers.linear import GehringLinear
+from tellkit.utils import precision
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
-                                reason="this PyTorch build has no oneDNN (mkldnn): nothing is packed")
+pytestmark = [pytest.mark.precision,
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                 reason="this PyTorch build has no oneDNN (mkldnn): nothing is packed")]
+PACKED_BF16 = precision.bf16_support()
 
 
 def _entry(w, dtype=torch.float32):
@@ -67,6 +70,8 @@ def test_grad_enabled_falls_back_and_backward_works():
     torch.testing.assert_close(y, F.linear(x, w), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not PACKED_BF16.packed, reason="oneDNN's packed bfloat16 product needs AVX-512 (BW, VL, DQ) "
+                    f"or AVX-NE-CONVERT; this CPU: {PACKED_BF16.isa}")
 def test_bf16_autocast_packs_a_bfloat16_copy_and_other_dtypes_fall_back():
     w, b, x = torch.randn(6, 10), torch.randn(6), torch.randn(4, 10)
     with torch.no_grad(), rows.prepacked():
@@ -79,6 +84,25 @@ def test_bf16_autocast_packs_a_bfloat16_copy_and_other_dtypes_fall_back():
     torch.testing.assert_close(y.float(), ref.float(), rtol=1e-2, atol=1e-2)
     with torch.autocast("cpu", dtype=torch.float16), torch.no_grad(), rows.prepacked():
         assert rows.dense(x, w).dtype == torch.float16  # another autocast dtype: the plain call
+
+
+def test_bf16_autocast_without_the_packed_product_is_the_plain_autocast_call(monkeypatch):
+    """Where the CPU cannot run oneDNN's packed bfloat16 product (AVX2 only), a product under
+    bf16 autocast inside prepacked() is autocast's own F.linear: no packed copy, its exact values."""
+    monkeypatch.setattr(rows, "bf16_support", lambda: precision.Bf16Support(False, False, "held", "AVX2"))
+    w, b, x = torch.randn(6, 10), torch.randn(6), torch.randn(40, 10)
+    with torch.no_grad(), rows.prepacked(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = rows.dense(x, w, b)
+        ref = F.linear(x, w, b)
+        lin = torch.nn.Linear(10, 6)
+        by_module = rows.linear(lin, x)
+    assert y.dtype == torch.bfloat16 and _entry(w, torch.bfloat16) is None
+    assert _entry(lin.weight, torch.bfloat16) is None
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    assert by_module.dtype == torch.bfloat16
+    with torch.no_grad(), rows.prepacked():  # float32 products are still packed
+        rows.dense(x, w, b)
+    assert _entry(w) is not None
 
 
 def test_off_unless_asked_for_and_switchable_inside():

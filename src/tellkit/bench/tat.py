@@ -28,7 +28,7 @@ from tellkit.bench import timed
 from tellkit.decoding.search import greedy_search
 from tellkit.layers import rows
 from tellkit.models.transform_and_tell import _Incremental
-from tellkit.utils.precision import Precision, resolve
+from tellkit.utils.precision import Precision, bf16_support, resolve
 
 
 def fake_batch(cfg, batch_size: int, caption_len: int = 0, n_image: int = 49, n_article: int = 512,
@@ -132,6 +132,12 @@ def generation_flops(model, batch_size: int, tokens: int, device: str) -> dict[s
             "decoding_gflop": round(total - context, 3)}
 
 
+def _sig(x: float) -> float:
+    """``x`` to three significant figures (a small product's GFLOP/s, or a tiny model's fraction
+    of the bound, can be far below what a fixed count of decimals keeps)."""
+    return float(f"{x:.3g}")
+
+
 def fp32_peak_gflops(size: int = 2048, repeat: int = 3) -> dict[str, Any]:
     """Float32 GFLOP/s of one ``size`` x ``size`` matrix product at this thread count, through
     ``torch.mm`` and through a oneDNN pre-packed weight (best of ``repeat`` each); ``peak`` is
@@ -142,12 +148,12 @@ def fp32_peak_gflops(size: int = 2048, repeat: int = 3) -> dict[str, Any]:
     with torch.no_grad():
         torch.mm(a, w)  # warm-up
         mm_secs, _ = timed(lambda: torch.mm(a, w), repeat=repeat)
-        out = {"size": size, "torch_threads": torch.get_num_threads(), "torch_mm": round(flop / mm_secs / 1e9, 1)}
+        out = {"size": size, "torch_threads": torch.get_num_threads(), "torch_mm": _sig(flop / mm_secs / 1e9)}
         if torch.backends.mkldnn.is_available():
             with rows.prepacked():
                 rows.dense(a, w)  # packs the weight
                 pk_secs, _ = timed(lambda: rows.dense(a, w), repeat=repeat)
-            out["onednn_prepacked"] = round(flop / pk_secs / 1e9, 1)
+            out["onednn_prepacked"] = _sig(flop / pk_secs / 1e9)
     out["peak"] = max(out["torch_mm"], out.get("onednn_prepacked", 0.0))
     return out
 
@@ -159,8 +165,8 @@ def _bound(row: dict[str, Any], flops: dict[str, float], peak: float) -> None:
     row["gflop"] = flops
     row["gflops_per_s"] = round(flops["whole_run_gflop"] / secs, 1)
     row["decoding_gflops_per_s"] = round(flops["decoding_gflop"] / max(secs - ctx_secs, 1e-9), 1)
-    row["fraction_of_fp32_flop_bound"] = round(flops["whole_run_gflop"] / secs / peak, 3)
-    row["decoding_fraction_of_fp32_flop_bound"] = round(flops["decoding_gflop"] / max(secs - ctx_secs, 1e-9) / peak, 3)
+    row["fraction_of_fp32_flop_bound"] = _sig(flops["whole_run_gflop"] / secs / peak)
+    row["decoding_fraction_of_fp32_flop_bound"] = _sig(flops["decoding_gflop"] / max(secs - ctx_secs, 1e-9) / peak)
 
 
 def _alternated(model, bs: int, tokens: int, device: str, rounds: int,
@@ -234,7 +240,8 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
         else:  # the same incremental generation under bf16 autocast, its outputs against float32's
             low = runs["low"]
             same = sum(a == b for a, b in zip(low["outputs"], inc["outputs"]))
-            low.update(speedup_vs_fp32=round(low["tokens_per_s"] / inc["tokens_per_s"], 2),
+            low.update(packed_bf16_products=bf16_support().packed if cpu else None,
+                       speedup_vs_fp32=round(low["tokens_per_s"] / inc["tokens_per_s"], 2),
                        speedup_vs_fp32_plain=round(low["tokens_per_s"] / plain["tokens_per_s"], 2),
                        outputs_equal_to_fp32=f"{same} of {len(inc['outputs'])}")
             gen[f"batch_{bs}"]["bf16"] = low
@@ -254,6 +261,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
         "small": training("tat/small", 8 if quick else 32, 24, 2 if quick else 5, device),
         "paper": training(paper, 2 if quick else 4, 24, 1 if quick else 3, device),
     }
-    return {"model": paper, "fp32_peak_gflops": peak, "generation_greedy": gen,
+    return {"model": paper, "cpu_bf16": bf16_support().as_dict() if cpu else None, "fp32_peak_gflops": peak,
+            "generation_greedy": gen,
             "generated_tokens_per_sample": tokens, "context_sizes": {"image": 49, "article_tokens": 512, "faces": 4},
             "training": train}

@@ -7,7 +7,8 @@ from pathlib import Path
 from tellkit.errors import TellkitError
 
 NAME = "model-info"
-HELP = "print a model's parameter counts as JSON (CONFIG: YAML recipe, family name, or checkpoint dir)"
+HELP = ("print a model's parameter counts (and this CPU's bf16 capability) as JSON "
+        "(CONFIG: YAML recipe, family name, or checkpoint dir)")
 
 
 def add_arguments(p) -> None:
@@ -47,5 +48,9 @@ def run(args) -> int:
     if hasattr(model, "parameter_breakdown"):
         info["breakdown"] = model.parameter_breakdown()
     info["config"] = to_dict(model.config)
+    from tellkit.utils.precision import bf16_support  # heavy
+
+    # what `--dtype bf16` / `train.amp: bf16` get on this machine's CPU (granted only where native)
+    info["cpu_bf16"] = bf16_support().as_dict()
     print(json.dumps(info, indent=2))
     return 0

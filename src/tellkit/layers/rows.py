@@ -32,7 +32,9 @@ unavailable or switched off, tracing) is the plain ``F.linear`` call, except und
 autocast: there the packed copy is a bfloat16 one (the weight cast once, as autocast casts it at
 every call), the input and bias are cast as autocast casts them and the result is bfloat16; on one
 thread this ran Transform and Tell's products 2 to 5 times as fast as autocast's ``F.linear``, with
-the same values. The switch is per thread
+the same values. That packed bfloat16 product needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT
+(:func:`tellkit.utils.precision.bf16_support`); on other CPUs (AVX2 only) a product under bfloat16
+autocast is the plain autocast call. The switch is per thread
 and per asyncio task (a context variable): a server thread's setting does not leak into another.
 """
 from __future__ import annotations
@@ -46,6 +48,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tellkit.utils.precision import bf16_support
 
 _PREPACKED = contextvars.ContextVar("tellkit_prepacked", default=False)
 # id(weight) -> (weakref to it, version, data_ptr, shape, packed copy); an entry leaves with its weight
@@ -102,8 +106,8 @@ def _packable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) 
     if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2 or x.dim() < 1:
         return None
     if torch.is_autocast_enabled("cpu"):
-        if torch.get_autocast_dtype("cpu") != torch.bfloat16:
-            return None
+        if torch.get_autocast_dtype("cpu") != torch.bfloat16 or not bf16_support().packed:
+            return None  # oneDNN's packed bf16 product raises on a CPU without AVX-512 / AVX-NE-CONVERT
         dtype, allowed = torch.bfloat16, (torch.float32, torch.bfloat16)
     else:
         dtype, allowed = torch.float32, (torch.float32,)

@@ -4,9 +4,22 @@ Mixed precision keeps the weights (and the optimiser's state) in float32 and run
 products and convolutions in a 16-bit type:
 
 - CUDA: float16 (training scales the loss) or bfloat16;
-- CPU: bfloat16 where the processor has native bf16 arithmetic (AVX512-BF16 or AMX on x86,
-  as oneDNN reports it). There it is the fast path: several times the fp32 rate for matrix
-  products, about 1.8x for a BTTR training step. float16 is never used on a CPU.
+- CPU: bfloat16 where the processor has native bf16 arithmetic (AVX512-BF16 or AMX-BF16 on
+  x86; BF16 on Arm). There it is the fast path: several times the fp32 rate for matrix products,
+  about 1.8x for a BTTR training step. float16 is never used on a CPU.
+
+:func:`bf16_support` is the one capability check every bf16 path reads (``--dtype bf16``,
+``train.amp: bf16``, the benchmarks' bf16 rows, the packed products of
+:mod:`tellkit.layers.rows`). It tells two things apart:
+
+- ``native``: the CPU computes bf16 in hardware; only then is bf16 granted to a run.
+- ``packed``: oneDNN's pre-packed bf16 linear product can run at all (it needs AVX-512 BW, VL
+  and DQ, or AVX-NE-CONVERT; it raises on an AVX2-only CPU). A product that cannot be packed is
+  the plain autocast call, which runs on any CPU.
+
+``ONEDNN_MAX_CPU_ISA`` (or ``DNNL_MAX_CPU_ISA``) and ``ATEN_CPU_CAPABILITY`` hold the check to
+the instruction set they name, so a machine with AVX-512 can run the AVX2 paths (the suite does,
+for its precision tests).
 
 ``resolve(device, wanted)`` says what a run gets and, when it gets less than it asked for, why
 (one line for the log): a recipe written for a GPU (``amp: true`` = float16) still trains on a
@@ -15,6 +28,9 @@ CPU, in float32, and says so.
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +40,81 @@ DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfl
                "fp16": "float16", "float16": "float16"}
 
 
-def cpu_has_bf16() -> bool:
-    """True when this CPU computes bfloat16 natively (oneDNN's check: AVX512-BF16 / AMX)."""
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA values) under which it may still use native bf16 / AVX-512
+_ONEDNN_BF16_ISAS = {"AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+                     "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512",
+                     "AVX10_2_512_AMX_2", "ALL", "DEFAULT"}
+_ONEDNN_PACKED_ISAS = _ONEDNN_BF16_ISAS | {"AVX512_CORE", "AVX512_CORE_VNNI", "AVX2_VNNI_2"}
+# ATEN_CPU_CAPABILITY values that keep ATen's AVX-512 kernels
+_ATEN_AVX512 = {"avx512", "avx512_vnni", "avx512_bf16", "amx", "avx512_fp16"}
+
+
+@dataclass(frozen=True)
+class Bf16Support:
+    """What this CPU can do in bfloat16. ``native``: bf16 arithmetic in hardware (the fast path;
+    what ``--dtype bf16`` and ``train.amp: bf16`` need); ``packed``: oneDNN's packed bf16 linear
+    product can run; ``reason``: why not native ('' when it is); ``isa``: the instruction set
+    that decided it, as named by the CPU or by an environment cap."""
+
+    native: bool
+    packed: bool
+    reason: str
+    isa: str
+
+    def as_dict(self) -> dict:
+        return {"native_bf16": self.native, "packed_bf16_products": self.packed, "isa": self.isa,
+                **({"note": self.reason} if self.reason else {})}
+
+
+def _env_cap() -> tuple[str, bool, bool] | None:
+    """(the cap as written, native allowed, packed allowed) from the environment, or None."""
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(var, "").strip().upper()
+        if value:
+            return f"{var}={value}", value in _ONEDNN_BF16_ISAS, value in _ONEDNN_PACKED_ISAS
+    aten = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if aten:
+        avx512 = aten in _ATEN_AVX512
+        return f"ATEN_CPU_CAPABILITY={aten}", avx512, avx512
+    return None
+
+
+def _probe(name: str) -> bool:
+    """One of torch's CPU feature probes (False where this build lacks it)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return bool(getattr(torch.cpu, name)())
+    except (AttributeError, RuntimeError):
         return False
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_support() -> Bf16Support:
+    """This CPU's bf16 capability (see the module's docstring); computed once per process."""
+    try:
+        packed = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # ATen's own precondition
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        packed = False
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86"):
+        native = packed and (_probe("_is_avx512_bf16_supported") or _probe("_is_amx_tile_supported"))
+        isa = ("AMX" if _probe("_is_amx_tile_supported") else "AVX512-BF16" if native
+               else "AVX-512" if _probe("_is_avx512_supported") else "AVX2" if _probe("_is_avx2_supported")
+               else "no AVX2")
+    else:  # Arm: oneDNN's check is the BF16 extension itself
+        native, isa = packed, ("BF16" if packed else "no BF16")
+    cap = _env_cap()
+    if cap is not None:
+        name, cap_native, cap_packed = cap
+        native, packed = native and cap_native, packed and cap_packed
+        if not cap_native:
+            return Bf16Support(False, packed, f"this CPU has no native bfloat16: held to {name}", name)
+    if native:
+        return Bf16Support(True, packed, "", isa)
+    return Bf16Support(False, packed, f"this CPU has no native bfloat16 (AVX512-BF16 or AMX; it has {isa})", isa)
+
+
+def cpu_has_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively (:func:`bf16_support`)."""
+    return bf16_support().native
 
 
 @dataclass(frozen=True)
@@ -65,7 +150,7 @@ def resolve(device: torch.device | str, wanted: str | None) -> Precision:
         if wanted == "bfloat16":
             if cpu_has_bf16():
                 return Precision(kind, "bfloat16")
-            return Precision(kind, None, "this CPU has no native bfloat16 (AVX512-BF16 or AMX): running in float32")
+            return Precision(kind, None, f"{bf16_support().reason}: running in float32")
         return Precision(kind, None, "float16 mixed precision is for GPUs: running in float32 on the CPU")
     return Precision(kind, None, f"no mixed precision on {kind}: running in float32")
 

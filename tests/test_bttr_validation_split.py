@@ -42,6 +42,17 @@ def test_extra_recipes_validate_beside_root_and_test_on_2014(tmp_path, recipe):
     assert task.data.limit == {}  # all of the validation folder, not a seeded subset
 
 
+def test_files_of_one_name_in_two_test_years_get_distinct_ids(tmp_path):
+    """crohme_extra holds CROHME 2011 and 2012 test files of the same name: an evaluation must
+    not take them for one sample evaluated twice."""
+    from tellkit.data.crohme import load_split
+
+    _folder(tmp_path / "extra" / "train" / "crohme2011_test", ["a", "b"])
+    _folder(tmp_path / "extra" / "train" / "crohme2012_test", ["c"])
+    ids = sorted(e.id for e in load_split(tmp_path / "extra", "train", "inkml"))
+    assert ids == ["crohme2011_test/e0", "crohme2012_test/e0", "e1"]
+
+
 def test_extra_recipe_without_the_folder_says_where_it_looked(tmp_path):
     _folder(tmp_path / "crohme_inkml" / "test" / "2014", ["a"])
     task = _task("crohme_cpu_extra.yaml", tmp_path / "crohme_inkml")

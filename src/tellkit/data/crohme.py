@@ -25,6 +25,7 @@ import csv
 import math
 import os
 import random
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +129,12 @@ def load_inkml_split(root: str | os.PathLike, split: str, skipped: dict[str, int
             counts["unparsable truth"] = counts.get("unparsable truth", 0) + 1
             continue
         exprs.append(Expression(e.id, e.path, toks, e.truth or "", e))
+    # one id per expression: files of one name in two sub-folders (two test years) are told apart
+    # by their path under the split's folder
+    seen = Counter(x.id for x in exprs)
+    for x in exprs:
+        if seen[x.id] > 1:
+            x.id = Path(x.image).relative_to(folder).with_suffix("").as_posix()
     if skipped is not None:
         skipped.update(counts)
     if not exprs:

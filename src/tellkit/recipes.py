@@ -322,6 +322,9 @@ class TrainConfig:
     # start from the weights of a checkpoint or run folder (fine-tuning, staged training); the
     # optimizer, schedule and data order start fresh. Ignored by --resume (the run's own state wins).
     init_from: str | None = None
+    # an exponential moving average of the weights with this decay (e.g. 0.999), kept beside the
+    # raw weights, saved in every state and validated beside them (tellkit.training.ema); null: none
+    ema: float | None = None
     # runtime
     # mixed precision: true/"fp16" (CUDA, with loss scaling; float32 on a CPU), "bf16" (CUDA, and
     # CPUs with native bf16; float32 with a log line elsewhere), false
@@ -355,6 +358,8 @@ class TrainConfig:
         for name in ("eps", "weight_decay", "rho", "step_gamma", "plateau_factor", "clip_norm", "max_grad_norm"):
             if not math.isfinite(float(getattr(self, name))) or float(getattr(self, name)) < 0:
                 raise TellkitError(f"train.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if self.ema is not None and (isinstance(self.ema, bool) or not 0.0 < float(self.ema) < 1.0):
+            raise TellkitError(f"train.ema must be a decay between 0 and 1 (e.g. 0.999) or null, got {self.ema}")
         if len(self.betas) != 2:
             raise TellkitError(f"train.betas must be two numbers, got {self.betas}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]

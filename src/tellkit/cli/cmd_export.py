@@ -28,6 +28,9 @@ def add_arguments(p) -> None:
                    help="safetensors (default): a compact tellkit checkpoint folder; onnx: the checkpoint as it is, "
                         "with its model as ONNX graphs for --runtime onnx (needs the onnx extra); reference: the "
                         "reference implementation's checkpoint file (BTTR), --out names the new .ckpt")
+    p.add_argument("--ema", action="store_true",
+                   help="export the moving average of the weights the state carries (train.ema) instead of "
+                        "its raw weights (--format safetensors)")
     add_output_arguments(p)
 
 
@@ -68,6 +71,8 @@ def run(args) -> int:
     if fmt != args.format:
         print(f"tellkit: --format {args.format} is now --format {fmt}", file=sys.stderr)
     notes = notes_from(args.note)
+    if args.ema and fmt != "safetensors":
+        raise TellkitError("--ema: the averaged weights export with --format safetensors")
     if fmt == "reference":
         return export_reference_file(args, notes)
     out = check_output_path(args.out, "--out", folder=True)  # a looping link, /proc, a file: before any work
@@ -77,7 +82,8 @@ def run(args) -> int:
             if fmt == "onnx":
                 return export_onnx_folder(args, src, out, notes)
             kept = write_checkpoint_folder(
-                out, lambda d: export_safetensors(src, d, weights=args.weights, note=notes or None),
+                out, lambda d: export_safetensors(src, d, weights=args.weights, note=notes or None,
+                                                  average=args.ema),
                 replace=args.replace, sources=[src])
         except TellkitError as exc:
             raise pruned_while_reading(src, exc) or exc from None

@@ -34,6 +34,7 @@ from tellkit.checkpoint import (
 from tellkit.encoders.weights import read_weights_file
 from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig
+from tellkit.training.ema import EMA_FILE, check_fits, read_average
 
 # how an inference checkpoint stores its weights: float16 halves float32's size; int8 stores weight
 # matrices with one float32 scale per row (see quantize_int8), the rest float16
@@ -45,12 +46,20 @@ MACHINE_LOCAL = {("data", "root"): None, ("data", "features"): None, ("train", "
 
 
 def export_safetensors(checkpoint: str | Path, out: str | Path, *, weights: str = "float16",
-                       note: dict[str, Any] | None = None) -> Path:
+                       note: dict[str, Any] | None = None, average: bool = False) -> Path:
     """The checkpoint folder (or run folder's checkpoint) ``checkpoint`` as a compact inference
     checkpoint in ``out``: ``weights`` float16 (default), float32 or int8, ``note`` stored as
-    provenance under ``note`` in config.json."""
+    provenance under ``note`` in config.json. ``average``: the moving average of the weights the
+    state carries (``train.ema``, :mod:`tellkit.training.ema`) instead of its raw weights."""
 
     model = load_model(checkpoint)
+    if average:
+        tensors = read_average(model.checkpoint_dir)
+        if tensors is None:
+            raise TellkitError(f"{model.checkpoint_dir}: carries no averaged weights (trained without train.ema)")
+        check_fits(model, tensors, str(model.checkpoint_dir / EMA_FILE))
+        model.load_state_dict({**model.state_dict(), **tensors})
+        note = {**(note or {}), "weights": "exponential moving average (train.ema)"}
     carried = {key: _read_tensors(path) for key, path in
                carried_encoder_files(model.checkpoint_meta, model.checkpoint_dir).items()}
     return _write_inference(model, model.checkpoint_meta, out, weights=weights, note=note, carried=carried)

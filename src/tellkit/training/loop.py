@@ -52,6 +52,7 @@ from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig, task_key, train_config
 from tellkit.training import distributed
 from tellkit.training.bert_adam import BertAdam
+from tellkit.training.ema import EMA_FILE, WeightAverage, read_average
 from tellkit.training.evaluation import autocast, make_loader, plain_batches, run_eval, to_device
 from tellkit.training.run_states import CheckpointManager, SavedState, apply_state, fits_run
 from tellkit.training.task import Task
@@ -472,6 +473,7 @@ class Trainer:
 
     def _restore_or_seed(self) -> None:
         st, dist = self.state, self.dist
+        where = None
         if self.resume:
             def epoch_length(epoch: int) -> int:
                 return len(epoch_batches(self.task, self.train_set, self.cfg, epoch, dist.world))
@@ -503,6 +505,7 @@ class Trainer:
             self.saved = None  # free the tensors read from disk
             self.task.restore_checkpoint_files(where)
             self.log(f"resumed from {where} (step {st.step}, epoch {st.epoch}, batch {st.pos})")
+        self.ema = None if self.cfg.ema is None else self._start_average(where if self.resume else None)
         self.ddp_model = self.model
         if dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP  # heavy
@@ -511,6 +514,16 @@ class Trainer:
             self.ddp_model = DDP(self.model, device_ids=ids,
                                  find_unused_parameters=self.task.ddp_find_unused_parameters)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _start_average(self, resumed_from: Path | None) -> WeightAverage:
+        """``train.ema``: the average of a resumed state, else one that starts from the weights now."""
+        ema = WeightAverage(self.model, self.cfg.ema)
+        saved = read_average(resumed_from) if resumed_from is not None else None
+        if saved is not None:
+            ema.load_state_dict(saved, str(resumed_from / EMA_FILE))
+        elif resumed_from is not None:
+            self.log(f"{resumed_from} holds no averaged weights: the average starts from the resumed weights")
+        return ema
 
     def _open_logs(self) -> None:
         with _writing(self.run_dir):
@@ -643,6 +656,8 @@ class Trainer:
             optimizer.step()
         else:
             self.log(f"step {st.step}: non-finite gradient norm, step skipped")
+        if self.ema is not None:
+            self.ema.update(self.model)
         st.step += 1
         st.pos += len(group) * dist.world
         return float(totals[0]), float(totals[1]), gnorm, lr
@@ -697,6 +712,12 @@ class Trainer:
         else:
             st.bad_evals += 1
         self.schedule.on_eval(key)
+        if self.ema is not None:  # the averaged weights, validated beside the raw ones (logged, not chosen on)
+            with self.ema.applied(self.model):
+                averaged, _ = run_eval(task, self.model, self.val_set, "val", dist, batch_size=self.cfg.batch_size,
+                                       num_workers=self.cfg.num_workers, amp_dtype=self.amp_dtype,
+                                       generate=task.monitor != "loss", progress=self.progress)
+            metrics = {**metrics, **{f"ema_{k}": v for k, v in averaged.items()}}
         if dist.is_main:
             for k, v in metrics.items():
                 if v is None:  # undefined (an entity ratio of 0/0): not logged
@@ -720,6 +741,8 @@ class Trainer:
         trainer_state = {**asdict(self.state), "schedule": self.schedule.state_dict(),
                          "scaler": self.scaler.state_dict() if self.scaler else None}
         files = self.task.checkpoint_files() if self.dist.is_main else None
+        if self.ema is not None and self.dist.is_main:
+            files = {**(files or {}), EMA_FILE: self.ema.state_dict()}
         return self.ckpts.save(self.state.step, self.model, self.optimizer, trainer_state,
                                extra=self.task.checkpoint_meta(self.extra), files=files,
                                rank=self.dist.rank, agree=self.dist.any, best=best)

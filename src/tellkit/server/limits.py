@@ -94,14 +94,16 @@ class RequestError(Exception):
 # tellkit.utils.images.ImageError reasons -> (status, code) of the API
 _IMAGE_ERRORS = {"empty": (400, "empty_file"), "not an image": (415, "not_an_image"),
                  "unsupported format": (415, "unsupported_image_format"), "too many pixels": (413, "image_too_large"),
-                 "too small": (422, "image_too_small"), "corrupt or truncated": (400, "corrupt_image")}
+                 "too small": (422, "image_too_small"), "corrupt or truncated": (400, "corrupt_image"),
+                 "too complex": (422, "image_too_complex")}
 
 
 def decode_image(source, limits: Limits, declared_type: str | None = None, max_side: int | None = None):
     """Bytes (or a binary file) of an uploaded image -> (RGB PIL image no longer than ``max_side``,
     original ``[width, height]`` or None when not shrunk), or RequestError: 415 for a declared
     non-image type or an unsupported format, 400 for empty or unreadable bytes, 413 over the
-    pixel cap, 422 for a degenerate (tiny) image."""
+    pixel cap, 422 for a degenerate (tiny) image or one whose decoding would take too much work
+    (a JPEG's scans, a PNG's chunks, an animation's frames past their limits)."""
 
     if declared_type and not (declared_type.startswith("image/") or declared_type == "application/octet-stream"):
         raise RequestError(415, "unsupported_media_type", "expected an image upload (PNG, JPEG, WebP, BMP or GIF), "

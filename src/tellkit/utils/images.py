@@ -5,11 +5,13 @@
 
 What it guarantees, in order:
 
-1. Only the header is read before the checks: the format must be one of ``formats`` (PNG, JPEG,
-   WebP, BMP, GIF, TIFF, PPM by default; never EPS, which PIL hands to Ghostscript), and
-   width x height must be at most ``max_pixels`` (argument, else ``TELLKIT_MAX_IMAGE_PIXELS``,
-   else :data:`DEFAULT_MAX_PIXELS`). A small file that declares a huge bitmap (a decompression
-   bomb) is refused before any pixel is decoded.
+1. Before anything is decoded, the work is bounded: a JPEG's scans, a PNG's chunks, an
+   animation's frames are counted from the file's structure and refused past the limits of
+   :mod:`tellkit.utils.image_structure` (reason "too complex"). Only the header is read before
+   the other checks: the format must be one of ``formats`` (PNG, JPEG, WebP, BMP, GIF, TIFF, PPM
+   by default; never EPS, which PIL hands to Ghostscript), and width x height must be at most
+   ``max_pixels`` (argument, else ``TELLKIT_MAX_IMAGE_PIXELS``, else :data:`DEFAULT_MAX_PIXELS`).
+   A small file that declares a huge bitmap (a decompression bomb) is refused before any pixel is decoded.
 2. With ``max_side``, JPEGs are decoded at a reduced DCT scale (``draft``) and every image is
    shrunk (box ``reduce`` then bilinear) before any colour conversion, so conversions run on the
    small image.
@@ -34,11 +36,12 @@ from pathlib import Path
 from typing import IO, Union
 
 from tellkit.errors import TellkitError
+from tellkit.utils.image_structure import ImageStructureError, check_structure
 
 DEFAULT_MAX_PIXELS = 64_000_000  # ~8000 x 8000; photos and scanned expressions are far smaller
 SAFE_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "TIFF", "PPM")
 REASONS = ("not found", "directory", "not a regular file", "empty", "not an image", "unsupported format",
-           "too many pixels", "too small", "corrupt or truncated")
+           "too many pixels", "too small", "corrupt or truncated", "too complex")
 _STRIP_PIXELS = 1 << 20  # pixels converted at once (a strip of rows)
 
 # EXIF orientation -> the transpose that shows the image upright (as ImageOps.exif_transpose)
@@ -102,6 +105,7 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
     fp, label = _open_source(source)
     where = f"{label}: " if label else ""
     try:
+        _check_work(fp, where)
         with warnings.catch_warnings():
             # PIL warns at its own (larger) cap and raises past twice that; ours is checked below
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -146,6 +150,33 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
 
 
 # --- steps -----------------------------------------------------------------------------------------
+def _check_work(fp, where: str) -> None:
+    """Count the file's scans / chunks / frames before decoding (:mod:`tellkit.utils.image_structure`);
+    an :class:`ImageError` ("too complex") past a limit. ``fp`` is left where it was."""
+    pos = fp.tell()
+    view = None
+    try:
+        if isinstance(fp, io.BytesIO):
+            view = fp.getbuffer()
+            data = view
+        elif isinstance(fp, io.BufferedReader) and fp.seekable():
+            import mmap  # heavy
+
+            data = view = mmap.mmap(fp.fileno(), 0, access=mmap.ACCESS_READ)
+        else:
+            fp.seek(0)
+            data = fp.read()
+        check_structure(data, where)
+    except ImageStructureError as exc:
+        raise ImageError(str(exc), "too complex") from None
+    except (OSError, ValueError):
+        pass  # unreadable here: PIL's open below reports it
+    finally:
+        if view is not None:
+            view.release() if isinstance(view, memoryview) else view.close()
+        fp.seek(pos)
+
+
 def _open_source(source: Source):
     """-> (binary file object, label for messages: the path, or "" for bytes / file objects)."""
     if isinstance(source, (bytes, bytearray, memoryview)):

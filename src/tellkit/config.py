@@ -16,6 +16,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,11 +25,14 @@ from typing import Any, TypeVar
 import yaml
 
 from tellkit.errors import TellkitError
-from tellkit.utils.files import read_text
+from tellkit.utils.files import check_regular_file, read_text
 
 T = TypeVar("T")
 
-MAX_RECIPE_BYTES = 16 << 20  # a recipe is a few KB
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few KB
+MAX_RECIPE_NODES = 100_000  # values (scalars, lists, mappings) in one recipe file or override
+MAX_RECIPE_DEPTH = 64
+MAX_NUMBER_CHARS = 64  # digits of a number (a float's 17 significant digits and exponent fit easily)
 # Recipes ship inside the package (``tellkit/configs``); the checkout's ``configs/`` links there.
 CONFIG_ROOT = Path(__file__).resolve().parent / "configs"
 
@@ -53,6 +57,8 @@ def resolve_config_path(name: str | os.PathLike) -> Path:
     for c in candidates + packaged:
         if c.is_file():
             return c
+    if os.path.lexists(p) and not p.is_dir():  # a FIFO, a device, a dangling link: say what it is
+        check_regular_file(p, "recipe")
     if p.is_dir():
         raise TellkitError(f"{name}: is a directory, expected a YAML config file")
     key = Path(*p.parts[1:]) if p.parts[:1] == ("configs",) and len(p.parts) > 1 else p
@@ -84,13 +90,7 @@ def load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[st
         cycle = " -> ".join(p.name for p in (*_chain[_chain.index(here):], here))
         raise TellkitError(f"{path}: 'base:' chain loops ({cycle})")
     text = read_text(path, "recipe", MAX_RECIPE_BYTES)  # a FIFO or a device named x.yaml is never read
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise TellkitError(f"{path}: not valid YAML ({first})") from exc
-    except RecursionError as exc:
-        raise TellkitError(f"{path}: nested too deeply") from exc
+    data = load_yaml_text(text, str(path))
     if not isinstance(data, dict):
         raise TellkitError(f"{path}: expected a mapping at the top level")
     base = data.pop("base", None)  # simple inheritance: `base: other.yaml`
@@ -100,6 +100,54 @@ def load_yaml(path: str | os.PathLike, _chain: tuple[Path, ...] = ()) -> dict[st
         parent = load_yaml(Path(path).parent / base if not Path(base).is_absolute() else base, (*_chain, here))
         data = deep_merge(parent, data)
     return data
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # LibYAML's parser when built with it: the same documents
+_NUMBER = re.compile(r"[-+]?(\.?[0-9])[0-9_.eE+-]*")
+
+
+def check_yaml_text(text: str, where: str) -> None:
+    """Before a recipe (or an override's value) is built: at most :data:`MAX_RECIPE_NODES` values,
+    nested at most :data:`MAX_RECIPE_DEPTH` deep, no anchors or aliases (``&a`` / ``*a``: they
+    repeat or loop a part of the document), no number of more than :data:`MAX_NUMBER_CHARS`
+    characters. Walks LibYAML's event stream and stops at the first breach, so a hostile
+    document costs at most that many events. A one-line :class:`TellkitError`."""
+    nodes = depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_Loader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                raise TellkitError(f"{where}: YAML anchors and aliases (&name, *name) are not accepted; "
+                                   "write the values out")
+            if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+                nodes += 1
+                if nodes > MAX_RECIPE_NODES:
+                    raise TellkitError(f"{where}: more than {MAX_RECIPE_NODES:,} values; a recipe holds settings, "
+                                       "not data (name a data file instead)")
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_RECIPE_DEPTH:
+                    raise TellkitError(f"{where}: nested more than {MAX_RECIPE_DEPTH} levels deep")
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+            elif isinstance(event, yaml.ScalarEvent) and not event.style and len(event.value) > MAX_NUMBER_CHARS \
+                    and _NUMBER.fullmatch(event.value):
+                raise TellkitError(f"{where}: a number of {len(event.value):,} characters "
+                                   f"(at most {MAX_NUMBER_CHARS} accepted)")
+    except yaml.YAMLError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TellkitError(f"{where}: not valid YAML ({first})") from None
+
+
+def load_yaml_text(text: str, where: str) -> Any:
+    """YAML text -> Python values, checked first by :func:`check_yaml_text`; one-line errors."""
+    check_yaml_text(text, where)
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a safe loader (CSafeLoader or SafeLoader)
+    except yaml.YAMLError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TellkitError(f"{where}: not valid YAML ({first})") from None
+    except (RecursionError, ValueError, OverflowError) as exc:
+        raise TellkitError(f"{where}: not a usable YAML value ({type(exc).__name__})") from None
 
 
 def deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
@@ -119,10 +167,14 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
         if "=" not in item:
             raise TellkitError(f"override '{item}' is not of the form key=value")
         key, raw = item.split("=", 1)
+        if len(raw) > MAX_RECIPE_BYTES:
+            raise TellkitError(f"override {key}: the value is longer than {MAX_RECIPE_BYTES:,} characters")
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
+            value = load_yaml_text(raw, f"override {key}") if raw != "" else ""
+        except TellkitError as exc:
+            if "not valid YAML" not in str(exc):
+                raise
+            value = raw  # text YAML cannot read is taken as it is (a path with a colon, say)
         node = out
         parts = key.strip().split(".")
         for part in parts[:-1]:

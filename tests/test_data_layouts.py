@@ -246,7 +246,7 @@ def _tiny_checkpoint(folder: Path) -> Path:
     from tellkit.registry import create_model
 
     torch.manual_seed(0)
-    extra = {"task": "recognition", "eval": {"beam_size": 2, "max_len": 8}, "data": {"cache": None}}
+    extra = {"task": "recognize", "eval": {"beam_size": 2, "max_len": 8}, "data": {"cache": None}}
     return create_model("bttr/tiny").save_pretrained(folder, extra=extra)
 
 
@@ -264,3 +264,10 @@ def test_evaluate_reads_a_release_laid_out_as_it_ships(tmp_path, mathwriting, hm
     want = {"mathwriting": {"x + 2", "\\frac { x } { 2 }", "\\alpha \\leq \\beta"},
             "hme100k": {"a + b", "y = 长 \\times 2"}}[layout]
     assert {r["reference"] for r in rows} == want
+    metrics = json.loads((tmp_path / "out" / "metrics_test.json").read_text())
+    if layout == "hme100k":  # 长 is outside the model's vocabulary: counted, said, never dropped
+        assert metrics["metrics"]["unknown_symbols"] == 1 and metrics["metrics"]["unknown_expressions"] == 1
+        assert "symbol(s) outside the model's vocabulary: 长 1" in capsys.readouterr().err
+        assert [r["unknown"] for r in rows if "unknown" in r] == [["长"]]
+    else:
+        assert "unknown_symbols" not in metrics["metrics"]

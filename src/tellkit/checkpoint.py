@@ -362,10 +362,12 @@ def resolve_checkpoint(path: str | os.PathLike, follow_links: bool = True) -> Pa
 
 def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
     """Copy the weights of a checkpoint (or run folder) into ``model`` (fine-tuning / staged
-    training): same family, same tensor names and shapes; the checkpoint's other settings
-    (dropout, search) are not taken. A model of another family goes to ``model.adopt_weights``
-    where the model has one (CoMER from BTTR), whose report of what was copied and what is new is
-    left in ``model.init_report``. Returns the checkpoint folder used."""
+    training): same family, same tensor names and shapes, except that the tensors a model names
+    in ``vocabulary_rows`` may have more rows than the checkpoint's (a vocabulary grown by new
+    symbols: the old rows are copied exactly, the new ones keep their initial values); the
+    checkpoint's other settings (dropout, search) are not taken. A model of another family goes
+    to ``model.adopt_weights`` where the model has one (CoMER from BTTR), whose report of what was
+    copied and what is new is left in ``model.init_report``. Returns the checkpoint folder used."""
     d = resolve_checkpoint(directory)
     src = load_model(d, map_location="cpu")
     family = getattr(model, "family", None)
@@ -376,14 +378,21 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
         model.init_report = adopt(src, str(d))
         return d
     own, theirs = model.state_dict(), src.state_dict()
-    bad = sorted(k for k in set(own) | set(theirs)
-                 if k not in own or k not in theirs or own[k].shape != theirs[k].shape)
+    # a model over a grown vocabulary has more rows in these (the checkpoint's rows come first)
+    rows = set(getattr(model, "vocabulary_rows", ()))
+
+    def fits(k: str) -> bool:
+        a, b = own[k].shape, theirs[k].shape
+        return a == b or (k in rows and a[1:] == b[1:] and a[0] > b[0])
+
+    bad = sorted(k for k in set(own) | set(theirs) if k not in own or k not in theirs or not fits(k))
     if bad:
         raise TellkitError(f"{d}: weights do not fit this model's configuration "
                            f"({len(bad)} tensors differ, e.g. {bad[:3]})")
     with torch.no_grad():
         for k, v in own.items():
-            v.copy_(theirs[k].to(v.dtype))
+            t = theirs[k].to(v.dtype)
+            (v[: t.shape[0]] if v.dim() else v).copy_(t)
     return d
 
 

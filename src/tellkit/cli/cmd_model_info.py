@@ -30,7 +30,9 @@ def run(args) -> int:
         meta = read_checkpoint_config(args.config)
         check_config_values(meta["config"], str(Path(args.config) / "config.json"))
         source: object = {"name": meta["family"], **meta["config"]}
+        vocabulary = _vocabulary(meta)
     else:
+        vocabulary = None
         source = args.config
     try:
         with torch.device("meta"):  # counts only: no memory, no init time
@@ -52,5 +54,20 @@ def run(args) -> int:
 
     # what `--dtype bf16` / `train.amp: bf16` get on this machine's CPU (granted only where native)
     info["cpu_bf16"] = bf16_support().as_dict()
+    if vocabulary is not None:
+        info["vocabulary"] = vocabulary
     print(json.dumps(info, indent=2))
     return 0
+
+
+def _vocabulary(meta) -> dict | None:
+    """A handwriting reader's vocabulary: the symbols it stores (``data.symbols``), or CROHME's."""
+    from tellkit.data.latex import SYMBOLS, Vocab, check_symbols  # heavy
+
+    if meta.get("family") not in ("bttr", "comer"):
+        return None
+    stored = (meta.get("data") or {}).get("symbols") if isinstance(meta.get("data"), dict) else None
+    symbols = check_symbols(stored, "config.json: data.symbols") if stored is not None else list(SYMBOLS)
+    v = Vocab(symbols)
+    return {"size": len(v), "special": v.itos[:3], "symbols": v.symbols,
+            "source": "data.symbols" if stored is not None else "CROHME's 110 symbols (the default)"}

@@ -402,10 +402,17 @@ class CrohmeDataset(torch.utils.data.Dataset):
         substitution draws from); :meth:`sizes` stays the undistorted, cached renders."""
         self.vocab = vocab or Vocab()
         kept = []
+        # symbols outside the vocabulary -> how often they occur (``drop_unknown``: in the
+        # expressions left out for them, whose number is ``dropped_unknown``)
+        self.unknown: Counter[str] = Counter()
+        self.dropped_unknown = 0
         for e in exprs:
             if max_len and len(e.tokens) > max_len:
                 continue
-            if drop_unknown and any(t not in self.vocab.stoi for t in e.tokens):
+            unknown = [t for t in e.tokens if t not in self.vocab.stoi]
+            self.unknown.update(unknown)
+            if drop_unknown and unknown:
+                self.dropped_unknown += 1
                 continue
             kept.append(e)
         self.exprs = kept

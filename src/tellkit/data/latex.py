@@ -247,8 +247,30 @@ def normalize_string(text: str) -> str:
 _SYMBOL_SET = frozenset(SYMBOLS)
 
 
+def grow(base: Sequence[str], labels: Iterable[Sequence[str]]) -> tuple[list[str], list[str]]:
+    """``base`` followed by the symbols of ``labels`` that it lacks (sorted), and those new
+    symbols: the ids of ``base`` stay what they were, so a model's rows for them are kept."""
+    known = set(base)
+    new = sorted({t for toks in labels for t in toks} - known - {PAD, SOS, EOS})
+    return [*base, *new], new
+
+
+def check_symbols(symbols: object, where: str = "data.symbols") -> list[str]:
+    """A vocabulary's symbols as a recipe or a checkpoint writes them: distinct non-empty
+    strings without spaces, none of ``<pad> <sos> <eos>`` (those come first in every Vocab)."""
+    if not isinstance(symbols, (list, tuple)) or not all(isinstance(s, str) and s and not s.split()[1:]
+                                                         and s == s.strip() for s in symbols):
+        raise TellkitError(f"{where}: expected a list of symbols (strings without spaces), got {symbols!r:.80}")
+    bad = [s for s in symbols if s in (PAD, SOS, EOS)]
+    if bad or len(set(symbols)) != len(symbols):
+        raise TellkitError(f"{where}: " + (f"{bad[0]} is not a symbol (it comes first in every vocabulary)" if bad
+                                           else "a symbol is listed twice"))
+    return list(symbols)
+
+
 class Vocab:
-    """Token <-> id. Ids 0..2 are ``<pad>``, ``<sos>``, ``<eos>``; then the symbols."""
+    """Token <-> id. Ids 0..2 are ``<pad>``, ``<sos>``, ``<eos>``; then the symbols (by default
+    CROHME's 110; a model trained on other data stores its own, see :func:`grow`)."""
 
     def __init__(self, symbols: Sequence[str] = SYMBOLS):
         self.itos = [PAD, SOS, EOS] + list(symbols)
@@ -270,4 +292,9 @@ class Vocab:
 
     def decode(self, ids: Iterable[int]) -> list[str]:
         return [self.itos[i] for i in ids if i > 2]
+
+    @property
+    def symbols(self) -> list[str]:
+        """The symbols after ``<pad> <sos> <eos>``."""
+        return self.itos[3:]
 

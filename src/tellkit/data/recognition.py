@@ -15,6 +15,7 @@ from tellkit.config import from_dict
 from tellkit.data.crohme import ImageAugment
 from tellkit.data.ink_augment import InkAugment
 from tellkit.data.inkml import InkRenderer, RenderConfig, default_cache_dir
+from tellkit.data.latex import check_symbols
 from tellkit.data.layouts import INK_LAYOUTS, LAYOUTS
 from tellkit.errors import TellkitError
 from tellkit.recipes import check_limits
@@ -48,8 +49,19 @@ class RecognitionDataConfig:
     # (tellkit.data.crohme.ImageAugment: rotate, shear, scale) and, for InkML, stroke space
     # (tellkit.data.ink_augment.InkAugment: render_scale, ink_rotate, ..., substitute)
     augment: dict[str, Any] = field(default_factory=dict)
+    # the symbols the model reads and writes, after <pad> <sos> <eos> (null: CROHME's 110, or
+    # those train.init_from's checkpoint stores); training stores the vocabulary it used here
+    symbols: list[str] | None = None
+    # grow: symbols of the training labels missing from `symbols` are added (new rows in the
+    # model's embedding and output layers); fixed: training expressions using one are left out
+    # (counted and reported)
+    vocab: str = "grow"
 
     def __post_init__(self):
+        if self.vocab not in ("grow", "fixed"):
+            raise TellkitError(f"data.vocab: {self.vocab!r} is not one of grow, fixed")
+        if self.symbols is not None:
+            self.symbols = check_symbols(self.symbols)
         if self.layout not in LAYOUTS:
             raise TellkitError(f"data.layout: {self.layout!r} is not one of {', '.join(LAYOUTS)}")
         for name in ("render", "augment"):

@@ -497,6 +497,9 @@ def bidirectional_targets(labels: torch.Tensor, lengths: torch.Tensor) -> tuple[
 @register_model("bttr", BTTRConfig)
 class BTTR(nn.Module, PretrainedMixin):
     encoder_class, decoder_class = Encoder, Decoder  # a variant (tellkit.models.comer) swaps them
+    # the tensors with one row per vocabulary entry: fine-tuning on a grown vocabulary keeps
+    # their old rows and adds new ones (tellkit.checkpoint.load_weights_into)
+    vocabulary_rows = ("decoder.embed.weight", "decoder.out.weight", "decoder.out.bias")
 
     def __init__(self, config: BTTRConfig):
         super().__init__()

@@ -26,6 +26,10 @@ unknown key is an error)::
       max_batch_pixels: 320000      # cap on padded pixels per batch (batch_size from train:)
       limit: {train: N, val: N, test: N}   # optional seeded subsets (omitted or null = all)
       extra_train: [DIR, ...]       # more InkML folders joining the training split (absolute or under root)
+      vocab: grow                   # grow: new symbols of the training labels get new model rows |
+                                    # fixed: training expressions with them are left out (counted)
+      symbols: [...]                # the vocabulary (null: train.init_from's, else CROHME's 110);
+                                    # training writes the one it used into every checkpoint
     eval: {beam_size: 10, max_len: 200, alpha: 1.0, bidirectional: true, rescore: true,
            stop_runaways: true,            # end a search whose best hypothesis ran away
            batch_size: 16}                 # images per search batch (val/test; no pixel cap)
@@ -49,9 +53,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tellkit.checkpoint import read_checkpoint_config, resolve_checkpoint
 from tellkit.data.crohme import CrohmeDataset, collate, load_image, render_square, size_batches
 from tellkit.data.inkml import read_inkml
-from tellkit.data.latex import Vocab
+from tellkit.data.latex import SYMBOLS, Vocab, check_symbols, grow
 from tellkit.data.layouts import load_split
 from tellkit.data.recognition import (
     RecognitionDataConfig,
@@ -67,6 +72,7 @@ from tellkit.decoding.runaway import RunawayStop, latex_policy
 from tellkit.errors import TellkitError
 from tellkit.metrics.exprate import breakdown, edit_distance, exprate
 from tellkit.recipes import GenerationSettings, known_keys, section
+from tellkit.registry import create_model
 from tellkit.tasks import register_task
 from tellkit.tasks.processor import Processor, as_pil, finite_or_none, input_path, is_array, is_pil
 from tellkit.training.task import Task
@@ -122,7 +128,7 @@ class RecognitionProcessor(Processor):
     def __init__(self, data: RecognitionDataConfig | None = None, vocab: Vocab | None = None,
                  calibration: confidences.Calibration | None = None):
         self.data = check(data or RecognitionDataConfig())
-        self.vocab = vocab or Vocab()
+        self.vocab = vocab or Vocab(self.data.symbols or SYMBOLS)
         self.calibration = calibration  # None: confidence null, unsure only for runaway/empty answers
         # InkML and strokes: the training data's renderer (no disk cache for one-off inputs)
         self.renderer = make_renderer(dataclasses.replace(self.data, cache=None))
@@ -141,7 +147,12 @@ class RecognitionProcessor(Processor):
                 raise TellkitError(f"stroke_size: {path} was trained on bitmaps, not on InkML renders; "
                                    "it reads images at their own size")
             data = dataclasses.replace(data, render={**data.render, "stroke_size": stroke_size})
-        return cls(data, calibration=confidences.from_meta(meta))
+        vocab = Vocab(data.symbols or SYMBOLS)
+        rows = (meta.get("config") or {}).get("vocab_size")
+        if isinstance(rows, int) and rows != len(vocab):
+            raise TellkitError(f"{path}: the model has {rows} output rows but its vocabulary (data.symbols) "
+                               f"{len(vocab)} entries")
+        return cls(data, vocab, calibration=confidences.from_meta(meta))
 
     @classmethod
     def stored_eval(cls, meta: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -228,11 +239,69 @@ class RecognitionTask(Task):
         self.processor = RecognitionProcessor(self.data, calibration=confidences.from_meta(self.recipe))
         self.vocab = self.processor.vocab
         self.skipped: dict[str, dict[str, int]] = {}  # split -> reason -> files skipped
+        self._loaded: dict[str, list] = {}  # split -> its expressions (read once)
+
+    # --- the model and its vocabulary -----------------------------------------------------------
+    def build_model(self):
+        """The recipe's model with one output row per entry of the training vocabulary: the
+        :meth:`base_symbols`, grown by the training labels' new symbols (``data.vocab: grow``);
+        :meth:`checkpoint_meta` stores it with every checkpoint (``data.symbols``)."""
+        base, source = self.base_symbols()
+        symbols, new = (grow(base, (e.tokens for e in self.expressions("train"))) if self.data.vocab == "grow"
+                        else (base, []))
+        self.set_vocab(Vocab(symbols))
+        if new and int(os.environ.get("RANK", "0")) == 0:
+            shown = " ".join(new[:20]) + (" ..." if len(new) > 20 else "")
+            print(f"vocabulary: the {len(base)} symbols of {source} + {len(new)} new from the training labels "
+                  f"({shown}): {len(new)} rows added to the embedding and output layers", file=sys.stderr)
+        model = {**(self.recipe.get("model") or {}), "vocab_size": len(self.vocab)}
+        return create_model({**self.recipe, "model": model})
+
+    def base_symbols(self) -> tuple[list[str], str]:
+        """The vocabulary training starts from, and where it comes from: ``data.symbols``, else
+        the one ``train.init_from``'s checkpoint stores, else CROHME's 110 symbols."""
+        if self.data.symbols is not None:
+            return list(self.data.symbols), "data.symbols"
+        init = (self.recipe.get("train") or {}).get("init_from")
+        if init:
+            meta = read_checkpoint_config(resolve_checkpoint(init))
+            stored = known_keys(meta.get("data"), RecognitionDataConfig).get("symbols")
+            if stored is not None:
+                return check_symbols(stored, f"{init}: data.symbols"), str(init)
+            return list(SYMBOLS), str(init)
+        return list(SYMBOLS), "CROHME"
+
+    def set_vocab(self, vocab: Vocab) -> None:
+        self.vocab = self.processor.vocab = vocab
+
+    def checkpoint_meta(self, meta):
+        """The recipe's sections with the vocabulary the model was built with (``data.symbols``)."""
+        return {**meta, "data": {**(meta.get("data") or {}), "symbols": self.vocab.symbols}}
 
     # --- data -------------------------------------------------------------------------------
     def build_dataset(self, split: str):
         if split not in ("train", "val", "test"):
             raise TellkitError(f"unknown split '{split}' (train|val|test)")
+        d = self.data
+        exprs = self.expressions(split)
+        root = resolve_data_root(d.root)
+        is_train = split == "train"
+        render = make_renderer(d, root) if d.strokes else None
+        ds = CrohmeDataset(exprs, self.vocab, bitmap=bitmap_kwargs(d),
+                           max_pixels=int(d.max_pixels) if is_train else 0,
+                           max_len=int(d.max_len) if is_train else 0, drop_unknown=is_train, render=render,
+                           augment=augmenter(d) if is_train else None,
+                           ink_augment=ink_augmenter(d) if is_train and render is not None else None)
+        if ds.dropped_unknown and int(os.environ.get("RANK", "0")) == 0:
+            print(f"{split}: left out {ds.dropped_unknown} expression(s) with symbols outside the vocabulary "
+                  f"(data.vocab: fixed): " + ", ".join(f"{t} {n}" for t, n in ds.unknown.most_common(10)),
+                  file=sys.stderr)
+        return ds
+
+    def expressions(self, split: str) -> list:
+        """The expressions of ``split`` (read once; ``data.limit`` applied)."""
+        if split in self._loaded:
+            return self._loaded[split]
         d = self.data
         name = getattr(d, split)
         if not name:
@@ -253,13 +322,8 @@ class RecognitionTask(Task):
         limit = d.limit.get(split)
         if limit and limit < len(exprs):
             exprs = random.Random(1234).sample(exprs, limit)
-        is_train = split == "train"
-        render = make_renderer(d, root) if d.strokes else None
-        return CrohmeDataset(exprs, self.vocab, bitmap=bitmap_kwargs(d),
-                             max_pixels=int(d.max_pixels) if is_train else 0,
-                             max_len=int(d.max_len) if is_train else 0, drop_unknown=is_train, render=render,
-                             augment=augmenter(d) if is_train else None,
-                             ink_augment=ink_augmenter(d) if is_train and render is not None else None)
+        self._loaded[split] = exprs
+        return exprs
 
     def collate(self, samples):
         return collate(samples, self.vocab.pad)
@@ -281,9 +345,11 @@ class RecognitionTask(Task):
         preds = []
         for i, res in enumerate(self.processor.decode(out, batch, max_len=self.generation.max_len)):
             hyp, ref = res["tokens"], list(batch["tokens"][i])
+            unknown = [t for t in ref if t not in self.vocab.stoi]
             preds.append({"id": batch["ids"][i], "prediction": res["text"], "reference": " ".join(ref),
                           "score": res["score"], "confidence": res["confidence"], "unsure": res["unsure"],
-                          "distance": edit_distance(hyp, ref), "correct": hyp == ref})
+                          "distance": edit_distance(hyp, ref), "correct": hyp == ref,
+                          **({"unknown": unknown} if unknown else {})})
         return preds
 
     def score(self, predictions):
@@ -300,4 +366,23 @@ class RecognitionTask(Task):
         metrics["n_long"] = table["long"]["n"]
         if table["long"]["n"]:
             metrics["exprate_long"] = table["long"]["exprate"]
+        self._count_unknown(predictions, metrics)
         return metrics
+
+    def _count_unknown(self, predictions, metrics) -> None:
+        """True labels with symbols the model cannot write (it can never read them exactly):
+        ``unknown_symbols`` (occurrences) and ``unknown_expressions`` in the metrics, each symbol's
+        count in ``eval_info``, and a line on stderr."""
+        counts: dict[str, int] = {}
+        for p in predictions:
+            for t in p.get("unknown", ()):
+                counts[t] = counts.get(t, 0) + 1
+        if not counts:
+            return
+        metrics["unknown_symbols"] = sum(counts.values())
+        metrics["unknown_expressions"] = sum(1 for p in predictions if p.get("unknown"))
+        self.eval_info = {**getattr(self, "eval_info", {}), "unknown_symbols": dict(sorted(counts.items()))}
+        if int(os.environ.get("RANK", "0")) == 0:
+            top = sorted(counts.items(), key=lambda kv: -kv[1])[:10]
+            print(f"{metrics['unknown_expressions']} true label(s) use {len(counts)} symbol(s) outside the model's "
+                  "vocabulary: " + ", ".join(f"{t} {n}" for t, n in top), file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`tellkit recognize INPUT... [--model CKPT] [--json]`: handwritten math -> LaTeX (BTTR).
+"""`tellkit recognize INPUT... [--model CKPT] [--json] [--lines]`: handwritten math -> LaTeX (BTTR).
 
 Inputs are bitmaps or InkML files, folders of them, or glob patterns, read through
 :class:`tellkit.pipelines.recognition.RecognitionPipeline` (the processor and search
@@ -7,7 +7,9 @@ batches. One input prints its LaTeX (and, on standard error, how sure the model 
 print ``PATH<TAB>LaTeX<TAB>CONFIDENCE`` lines (:mod:`tellkit.cli.answers`); ``--json`` prints one
 JSON object per input (``input``, ``text``, ``tokens``, ``score``, ``confidence``, ``unsure``).
 A runaway output (one token or a few repeated over and over, as for a photo) is stopped early and
-flagged unsure."""
+flagged unsure. ``--lines``: each image is a page of several lines; its lines are found
+(:mod:`tellkit.data.page_lines`) and read, one answer a line, top to bottom (``--json`` adds
+``line``, ``top`` and ``bottom``)."""
 from __future__ import annotations
 
 import json
@@ -38,6 +40,9 @@ def add_arguments(p) -> None:
     p.add_argument("--beam-size", type=int, default=None,
                    help="beam size per direction (default: the checkpoint's, 10)")
     p.add_argument("--max-len", type=int, default=None, help="maximum output tokens (default: the checkpoint's, 200)")
+    p.add_argument("--lines", action="store_true",
+                   help="each image is a page of several lines (a scan of notes): find its lines and read each, "
+                        "one answer a line, top to bottom")
     p.add_argument("--stroke-size", type=positive_float, default=None, metavar="PX",
                    help="read at this median stroke size in pixels (default: the checkpoint's "
                         "data.render.stroke_size; the packaged model's is 22)")
@@ -50,14 +55,32 @@ def run(args) -> int:
         raise TellkitError("--beam-size must be >= 1")
     if args.max_len is not None and args.max_len < 1:
         raise TellkitError("--max-len must be >= 1")
-    paths = expand_inputs(args.images, (*IMAGE_SUFFIXES, ".inkml"), "images or InkML files")
+    if args.lines:
+        paths = expand_inputs(args.images, IMAGE_SUFFIXES, "images of pages")
+    else:
+        paths = expand_inputs(args.images, (*IMAGE_SUFFIXES, ".inkml"), "images or InkML files")
     pipe = RecognitionPipeline.load(args.model, device=args.device, dtype=args.dtype, runtime=args.runtime,
                                     stroke_size=args.stroke_size, beam_size=args.beam_size, max_len=args.max_len)
     note_dtype(NAME, pipe.info)
+    if args.lines:
+        return _pages(pipe, paths, args)
     results = pipe(paths, batch_size=args.batch_size)
     for path, r in zip(paths, results):
         if args.json:
             print(json.dumps({"input": path, **r}, ensure_ascii=False))
         else:
             print_plain(path, r, len(paths) > 1)
+    return 0
+
+
+def _pages(pipe, paths, args) -> int:
+    """``--lines``: one answer a line of each page (``PATH:LINE`` names a line when there are several pages)."""
+    for path in paths:
+        for r in pipe.read_page(path, batch_size=args.batch_size):
+            if args.json:
+                print(json.dumps({"input": path, **r}, ensure_ascii=False))
+            elif len(paths) > 1:
+                print_plain(f"{path}:{r['line']}", r, True)
+            else:
+                print(r["text"])
     return 0

@@ -23,10 +23,14 @@ hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
+from tellkit.data.page_lines import split_page
+from tellkit.errors import TellkitError
 from tellkit.pipelines.base import Pipeline
 from tellkit.recipes import ASSETS
 from tellkit.registry import create_model
-from tellkit.tasks.recognition import RecognitionGeneration, RecognitionProcessor, Strokes
+from tellkit.tasks.processor import input_path, is_pil
+from tellkit.tasks.recognition import MAX_INPUT_PIXELS, RecognitionGeneration, RecognitionProcessor, Strokes
+from tellkit.utils.images import ImageError, check_image_path, open_image
 
 __all__ = ["SAMPLE_INKML", "SAMPLE_LATEX", "SAMPLE_PATH", "RecognitionPipeline", "Strokes"]
 
@@ -44,6 +48,25 @@ class RecognitionPipeline(Pipeline):
     families = ("bttr", "comer")
     processor_class = RecognitionProcessor
     processor_options = ("stroke_size",)
+
+    def read_page(self, page, batch_size: int | None = None) -> list[dict]:
+        """A page of several lines of handwriting (an image path or a PIL image) -> one answer per
+        line, top to bottom (:mod:`tellkit.data.page_lines` finds them), each with ``line`` (1, 2,
+        ...) and the rows it spans (``top``, ``bottom``)."""
+        if not is_pil(page):
+            path = input_path(page)
+            if path is None:
+                raise TellkitError(f"a page is an image path or a PIL image, not a {type(page).__name__}")
+            try:
+                check_image_path(path)
+                page = open_image(path, max_pixels=MAX_INPUT_PIXELS, mode="L")
+            except ImageError as exc:
+                raise TellkitError(str(exc) if exc.reason == "too many pixels" else f"{path}: not a readable image "
+                                   f"({exc})") from None
+        parts = split_page(page)
+        answers = self([im for _, im in parts], batch_size=batch_size)
+        return [{**r, "line": i + 1, "top": box.top, "bottom": box.bottom}
+                for i, ((box, _), r) in enumerate(zip(parts, answers))]
 
     def postprocess(self, outputs, batch, **options):
         return self.processor.decode(outputs, batch, max_len=self.generation.max_len, **options)

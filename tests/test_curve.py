@@ -177,3 +177,15 @@ def test_a_log_that_is_a_fifo_is_refused_without_waiting(tmp_path):
 
     os.mkfifo(tmp_path / "eval_log.csv")
     one_line_error(tellkit("curve", tmp_path), "not a regular file")
+
+
+def test_writing_the_png_does_not_import_torch(run_dir):
+    """The PNG is written atomically through ``tellkit.utils.files``, not through the checkpoint
+    module, so the curve command itself never loads torch."""
+    code = ("import argparse, sys; from tellkit.cli import cmd_curve; p = argparse.ArgumentParser(); "
+            f"cmd_curve.add_arguments(p); rc = cmd_curve.run(p.parse_args([{str(run_dir)!r}, '--png', "
+            f"{str(run_dir / 'c.png')!r}])); assert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-1500:]
+    with Image.open(run_dir / "c.png") as im:
+        assert im.format == "PNG"

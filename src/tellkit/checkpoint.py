@@ -10,17 +10,15 @@ says otherwise) the checkpoint is refused. Weights must have the model's names, 
 of dtype (no integer tensor for a float parameter) and be finite.
 
 Tied weights (e.g. adaptive input / adaptive softmax) are stored once and re-tied on load.
-Files are written to temporaries, fsynced and renamed, so a crash never leaves a half-written
-file under the final name.
+Files are written to temporaries, fsynced and renamed (``tellkit.utils.files.atomic_write_bytes``),
+so a crash never leaves a half-written file under the final name.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import os
 import re
-import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from tellkit._version import __version__
 from tellkit.config import from_dict, to_dict
 from tellkit.errors import TellkitError
 from tellkit.registry import get_entry
-from tellkit.utils.files import read_bytes
+from tellkit.utils.files import atomic_write_bytes, atomic_write_json, read_bytes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -54,47 +52,6 @@ def max_model_bytes() -> int:
         return int(float(raw))
     except ValueError as exc:
         raise TellkitError(f"TELLKIT_MAX_MODEL_BYTES must be a number of bytes, got {raw!r}") from exc
-
-
-# --- fault injection (tests kill a real process at a named phase of a save) ------------------
-FAULT_ENV = "TELLKIT_FAULT"  # "<save number>:<phase>", e.g. "3:renamed" or "2:write:model.safetensors"
-_save_number = 0
-
-
-def begin_save() -> None:
-    """Count saves (checkpoint phases are named per save in ``TELLKIT_FAULT``)."""
-    global _save_number
-    _save_number += 1
-
-
-def fault_point(phase: str) -> None:
-    """SIGKILL this process when ``TELLKIT_FAULT`` names this phase of the current save."""
-    spec = os.environ.get(FAULT_ENV)
-    if spec and spec == f"{_save_number}:{phase}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            half = len(data) // 2
-            f.write(data[:half])
-            f.flush()
-            fault_point(f"write:{path.name}")  # a kill here leaves half a file under the temporary name
-            f.write(data[half:])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # an error (not a kill) leaves no temporary file: a folder at ``path``, a full disk
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def device_of(spec: str | torch.device | None) -> torch.device:

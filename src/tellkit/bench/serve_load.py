@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from tellkit.bench import machine
-from tellkit.checkpoint import atomic_write_json
 from tellkit.recipes import packaged_default
 from tellkit.server.runner import free_port, post
+from tellkit.utils.files import atomic_write_json
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from tellkit.errors import TellkitError
+from tellkit.utils.files import atomic_write_json
 
 NAME = "bench"
 HELP = "run speed benchmarks (Transform and Tell generation/training, encoders, BTTR search) and write JSON"
@@ -32,7 +33,6 @@ def run(args) -> int:
     import torch  # heavy
 
     from tellkit.bench import machine  # heavy
-    from tellkit.checkpoint import atomic_write_json  # heavy
 
     available = _suites()
     chosen = args.suites or sorted(available)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from tellkit.cli import IMAGE_SUFFIXES, expand_inputs, positive_int
 from tellkit.errors import TellkitError
+from tellkit.utils.files import atomic_write_json, read_text
 
 NAME = "calibrate"
 HELP = "fit a checkpoint's answer confidence (and its 'unsure' threshold) on validation predictions"
@@ -60,7 +61,6 @@ def add_arguments(p) -> None:
 
 def typical_paths(args) -> list[str]:
     """The typical photos named by --typical and --typical-list (the first --typical-limit)."""
-    from tellkit.utils.files import read_text  # heavy
 
     paths = expand_inputs(args.typical, IMAGE_SUFFIXES, "images") if args.typical else []
     if args.typical_list:
@@ -89,8 +89,6 @@ def typical_features(checkpoint, paths: list[str], device: str):
 
 def read_rows(path: str, task: str, cider_at_least: float) -> tuple[list, list, list, str]:
     """(scores, lengths, right, what right means) of the predictions file."""
-    from tellkit.utils.files import read_text  # heavy
-
     text = read_text(path, "--predictions", 512 * 2**20)
     scores, lengths, right = [], [], []
     for k, line in enumerate(text.splitlines(), 1):
@@ -116,7 +114,7 @@ def read_rows(path: str, task: str, cider_at_least: float) -> tuple[list, list, 
 
 
 def run(args) -> int:
-    from tellkit.checkpoint import CONFIG_NAME, atomic_write_json, read_checkpoint_config, resolve_checkpoint  # heavy
+    from tellkit.checkpoint import CONFIG_NAME, read_checkpoint_config, resolve_checkpoint  # heavy
     from tellkit.decoding import confidence  # heavy
     from tellkit.recipes import task_key  # heavy
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from tellkit.errors import TellkitError
-from tellkit.utils.files import read_text
+from tellkit.utils.files import atomic_write_bytes, read_text
 
 MAX_LOG_BYTES = 256 << 20  # a validation log of years of training is a few MB
 
@@ -90,7 +90,6 @@ def non_finite(table: list[dict], metrics: list[str]) -> list[str]:
 def write_png(args, table: list[dict], metrics: list[str]) -> int | None:
     """Draws the curve into ``args.png``; returns the step marked as chosen (or None)."""
     check_png_path(Path(args.png))
-    from tellkit.checkpoint import atomic_write_bytes  # heavy
     from tellkit.utils.plot import curve_figure, figure_png  # heavy
 
     step = args.chosen_step if args.chosen_step is not None else chosen_step(args.run)

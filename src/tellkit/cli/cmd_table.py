@@ -31,6 +31,7 @@ import sys
 from pathlib import Path
 
 from tellkit.errors import TellkitError
+from tellkit.utils.files import atomic_write_bytes, atomic_write_json
 
 NAME = "table"
 HELP = "train + evaluate several recipes on one data set and print a results table (Markdown + JSON)"
@@ -123,7 +124,6 @@ def markdown(rows: list[dict]) -> str:
 
 
 def run(args) -> int:
-    from tellkit.checkpoint import atomic_write_bytes, atomic_write_json  # heavy
     from tellkit.workflows import TableOptions, table_row  # heavy
 
     if args.threads:

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from tellkit.checkpoint import atomic_write_bytes, load_model
+from tellkit.checkpoint import load_model
 from tellkit.convert import converter
 from tellkit.errors import TellkitError
+from tellkit.utils.files import atomic_write_bytes
 
 
 def export_reference(src: str | os.PathLike, out: str | os.PathLike) -> Path:

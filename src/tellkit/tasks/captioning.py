@@ -49,12 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from tellkit.checkpoint import (
-    IMAGE_ENCODER_FILE,
-    atomic_write_bytes,
-    carried_encoder_files,
-    read_checkpoint_config,
-)
+from tellkit.checkpoint import IMAGE_ENCODER_FILE, carried_encoder_files, read_checkpoint_config
 from tellkit.data import load_captions
 from tellkit.data.batch import CaptionBatch, CaptionItem, collate_captions
 from tellkit.data.bucketing import bucket_batches
@@ -85,6 +80,7 @@ from tellkit.tasks.processor import Processor, as_pil, finite_or_none, input_pat
 from tellkit.training.evaluation import to_device
 from tellkit.training.self_critical import SelfCritical
 from tellkit.training.task import Task
+from tellkit.utils.files import atomic_write_bytes
 
 # the numbers each caption metric of ``eval.metrics`` gives
 METRIC_NAMES = {"bleu": ("bleu1", "bleu2", "bleu3", "bleu4"), "meteor": ("meteor",), "rouge": ("rouge_l",),

@@ -16,11 +16,11 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from tellkit.checkpoint import atomic_write_bytes, atomic_write_json
 from tellkit.errors import TellkitError
 from tellkit.training.distributed import DistInfo
 from tellkit.training.task import Task
 from tellkit.utils import precision
+from tellkit.utils.files import atomic_write_bytes, atomic_write_json
 
 
 def to_device(obj: Any, device: torch.device) -> Any:

@@ -49,17 +49,14 @@ from torch import nn
 
 from tellkit.checkpoint import (
     WEIGHTS_NAME,
-    atomic_write_bytes,
-    atomic_write_json,
-    begin_save,
     check_state_dict,
-    fault_point,
     read_checkpoint_config,
     read_json_file,
     save_model,
     write_tensor_files,
 )
 from tellkit.errors import TellkitError
+from tellkit.utils.files import atomic_write_bytes, atomic_write_json, begin_save, fault_point
 from tellkit.utils.runlock import pruning
 
 STATE_NAME = "trainer_state.json"

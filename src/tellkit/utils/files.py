@@ -4,6 +4,7 @@
     read_bytes(path, "recipe", max_bytes=1 << 20)
     check_regular_file(path, "--article")              # the checks alone, nothing opened
     check_output_path(path, "--out")                   # before a command starts its work
+    atomic_write_bytes(path, data), atomic_write_json(path, obj)   # never a half-written file
 
 A path may name something that is not a file: ``/dev/zero`` reads without end, a FIFO blocks
 the reader until someone writes, a terminal or a socket waits for input, ``/proc`` files claim a
@@ -11,13 +12,21 @@ size of 0 and may be endless. Every reader here refuses anything but a regular f
 ``stat`` (taken before the file is opened, so a device is never opened), opens without blocking
 and checks the opened file again (the path may have changed in between), and stops reading at
 ``max_bytes`` (one byte more means "too large", whatever the file said its size was).
+
+Writes go to a temporary file beside the target, are fsynced and renamed over it, so a crash
+never leaves a half-written file under the final name. ``TELLKIT_FAULT`` names a phase of a save
+at which the process kills itself (:func:`fault_point`): the crash-safety tests use it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
+import signal
 import stat
 from pathlib import Path
+from typing import Any
 
 from tellkit.errors import TellkitError
 
@@ -139,3 +148,44 @@ def check_output_path(path: str | os.PathLike, what: str, folder: bool = False) 
     if not folder and _kind(st.st_mode) is not None:
         raise TellkitError(f"{what}: {p} is {_kind(st.st_mode)}, not a file to write")
     return p
+
+
+# --- fault injection (tests kill a real process at a named phase of a save) ------------------
+FAULT_ENV = "TELLKIT_FAULT"  # "<save number>:<phase>", e.g. "3:renamed" or "2:write:model.safetensors"
+_save_number = 0
+
+
+def begin_save() -> None:
+    """Count saves (checkpoint phases are named per save in ``TELLKIT_FAULT``)."""
+    global _save_number
+    _save_number += 1
+
+
+def fault_point(phase: str) -> None:
+    """SIGKILL this process when ``TELLKIT_FAULT`` names this phase of the current save."""
+    spec = os.environ.get(FAULT_ENV)
+    if spec and spec == f"{_save_number}:{phase}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            half = len(data) // 2
+            f.write(data[:half])
+            f.flush()
+            fault_point(f"write:{path.name}")  # a kill here leaves half a file under the temporary name
+            f.write(data[half:])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # an error (not a kill) leaves no temporary file: a folder at ``path``, a full disk
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())

@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 
-from tellkit.checkpoint import atomic_write_json
 from tellkit.config import deep_merge
 from tellkit.errors import TellkitError
 from tellkit.export.safetensors import export_safetensors
@@ -51,6 +50,7 @@ from tellkit.tasks import make_task
 from tellkit.training import distributed
 from tellkit.training.evaluation import make_loader, to_device
 from tellkit.training.loop import Trainer, epoch_batches, train
+from tellkit.utils.files import atomic_write_json
 
 #: operator names that make the host wait for the device
 SYNC_EVENTS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tellkit.checkpoint import atomic_write_json
 from tellkit.config import deep_merge, load_yaml, parse_overrides, resolve_config_path
 from tellkit.errors import TellkitError
 from tellkit.recipes import section, task_key
@@ -22,6 +21,7 @@ from tellkit.tasks import get_task, make_task
 from tellkit.tasks.captioning import model_contexts
 from tellkit.training.loop import logged_train_seconds, train
 from tellkit.training.task import Task
+from tellkit.utils.files import atomic_write_json
 from tellkit.workflows.evaluate import evaluate_checkpoint
 
 

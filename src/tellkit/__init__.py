@@ -18,10 +18,10 @@ from tellkit.errors import TellkitError
 def pipeline(task, model=None, device=None, dtype=None, **options):
     """A ready-to-call inference pipeline: ``task`` is "caption", "recognize" or "summarize" (the
     commands' names); ``model`` a checkpoint or run folder (None: the packaged default);
-    ``device`` cpu (default) or cuda; ``dtype`` "bf16" or "fp32"; ``options``: generation
-    settings (``beam_size=3``, ...) and the task's input options. Called with one input (a path,
-    a PIL image, an array, pen strokes, a transcript) it answers ``{"text": ..., extras}``; with
-    a list, a list."""
+    ``device`` cpu or cuda (None: the GPU when there is one, else the CPU); ``dtype`` "bf16" or
+    "fp32"; ``options``: generation settings (``beam_size=3``, ...) and the task's input options.
+    Called with one input (a path, a PIL image, an array, pen strokes, a transcript) it answers
+    ``{"text": ..., extras}``; with a list, a list."""
     from tellkit.pipelines import pipeline as _pipeline  # heavy
 
     return _pipeline(task, model, device=device, dtype=dtype, **options)

@@ -31,6 +31,7 @@ from tellkit.config import from_dict, to_dict
 from tellkit.errors import TellkitError
 from tellkit.registry import get_entry
 from tellkit.utils.files import atomic_write_bytes, atomic_write_json, read_bytes
+from tellkit.utils.precision import resolve_device
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -52,30 +53,6 @@ def max_model_bytes() -> int:
         return int(float(raw))
     except ValueError as exc:
         raise TellkitError(f"TELLKIT_MAX_MODEL_BYTES must be a number of bytes, got {raw!r}") from exc
-
-
-def device_of(spec: str | torch.device | None) -> torch.device:
-    """``cpu``, ``cuda``, ``cuda:N`` (or ``mps``) as a usable device, else a one-line error."""
-    if isinstance(spec, torch.device):
-        dev = spec
-    else:
-        if spec is None:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        try:
-            dev = torch.device(str(spec))
-        except (RuntimeError, ValueError) as exc:
-            raise TellkitError(f"unknown device {spec!r} (use cpu, cuda or cuda:N)") from exc
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TellkitError(f"device {spec!s}: no CUDA GPU is available here (use --device cpu)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise TellkitError(f"device {spec!s}: only {torch.cuda.device_count()} CUDA GPU(s) here")
-    elif dev.type == "mps":
-        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-            raise TellkitError(f"device {spec!s}: MPS is not available here")
-    elif dev.type not in ("cpu", "meta"):
-        raise TellkitError(f"unsupported device {spec!s} (use cpu, cuda or cuda:N)")
-    return dev
 
 
 def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -359,7 +336,7 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
     from safetensors import SafetensorError  # heavy
     from safetensors.torch import load_file  # heavy
 
-    device = device_of(map_location)
+    device = resolve_device(map_location)
     d = Path(directory)
     meta = read_checkpoint_config(d)
     where = str(d / CONFIG_NAME)

@@ -95,7 +95,7 @@ def add_model_arguments(p, default_help: str, dtype: bool = True) -> None:
     """``--model`` (and the hidden ``--checkpoint``), ``--device``, ``--dtype``, ``--batch-size``."""
     p.add_argument("--model", metavar="DIR", help=f"checkpoint or run folder (default: {default_help})")
     p.add_argument("--checkpoint", dest="model", help=argparse.SUPPRESS)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     if dtype:
         add_dtype_argument(p)
     p.add_argument("--batch-size", type=positive_int, default=None,

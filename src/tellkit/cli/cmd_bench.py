@@ -17,7 +17,7 @@ HELP = "run speed benchmarks (Transform and Tell generation/training, encoders, 
 def add_arguments(p) -> None:
     p.add_argument("suites", nargs="*", help="which suites (default: all found in tellkit.bench)")
     p.add_argument("--out", default="bench/results", help="output folder (default: bench/results)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
 
 

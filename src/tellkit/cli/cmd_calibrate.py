@@ -56,7 +56,8 @@ def add_arguments(p) -> None:
                    help="use the first N typical photos (default 600)")
     p.add_argument("--typical-share", type=float, default=0.01, metavar="F",
                    help="the share of typical photos beyond the limit (default 0.01)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, for the typical photos (default cpu)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N, for the typical photos "
+                   "(default: cuda when available, else cpu)")
 
 
 def typical_paths(args) -> list[str]:

@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", metavar="DIR", help="use this captioning checkpoint instead of the default model")
     p.add_argument("--checkpoint", dest="model", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true", help="one JSON object per sample (caption, faces, attention)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--no-math", action="store_true", help="skip the handwritten-math (BTTR) sample")
 
 

@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
                                  "else ./runs/eval/<checkpoint name>)")
     p.add_argument("--batch-size", type=positive_int, default=None,
                    help="default: eval.batch_size or train.batch_size")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add_dtype_argument(p)
     add_runtime_argument(p)
     p.add_argument("--no-progress", action="store_true")

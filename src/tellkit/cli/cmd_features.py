@@ -59,7 +59,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=positive_int, default=16)
     p.add_argument("--max-pixels", type=int, help="skip images with more pixels (decompression-bomb guard)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--overwrite", action="store_true", help="discard features already in OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -75,11 +75,9 @@ def run(args) -> int:
         raise TellkitError("--format needs --root (the data set's location)")
     if args.images and (args.root or args.split or args.image_root):
         raise TellkitError("--root/--split/--image-root go with --format, not --images")
-    if args.device.startswith("cuda"):
-        import torch  # heavy
+    from tellkit.utils.precision import resolve_device  # heavy
 
-        if not torch.cuda.is_available():
-            raise TellkitError("--device cuda asked for, but no CUDA device is available")
+    device = str(resolve_device(args.device))  # one line for an unknown device or a GPU this machine lacks
     if args.threads:
         import torch  # heavy
 
@@ -103,7 +101,7 @@ def run(args) -> int:
     cfg = FeatureConfig(
         encoders=encoders, faces=not args.no_faces, article=args.article, objects=args.objects,
         max_article_tokens=args.max_article_tokens, context_policy=args.context_policy, dtype=args.dtype,
-        shard_size=args.shard_size, batch_size=args.batch_size, max_pixels=args.max_pixels, device=args.device,
+        shard_size=args.shard_size, batch_size=args.batch_size, max_pixels=args.max_pixels, device=device,
     )
     summary = extract_features(items, args.out, cfg, overwrite=args.overwrite, progress=not args.no_progress,
                                log=lambda msg: print(msg, file=sys.stderr, flush=True))

@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--untrained", action="store_true",
                    help="serve tiny RANDOM models (outputs are noise) for the endpoints without --model: "
                         "try the page and API without trained models")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add_dtype_argument(p)
     p.add_argument("--max-batch", type=int, default=8, help="requests grouped into one forward pass (default 8)")
     p.add_argument("--max-wait-ms", type=float, default=10.0,
@@ -158,9 +158,9 @@ def check_run_settings(args) -> None:
         raise TellkitError(f"--max-wait-ms must be a number of milliseconds from 0 to 10000, got {args.max_wait_ms:g}")
     if not 0 <= args.threads <= 1024:
         raise TellkitError(f"--threads must be 0 (torch's choice) or up to 1024 threads, got {args.threads}")
-    from tellkit.checkpoint import device_of  # heavy
+    from tellkit.utils.precision import resolve_device  # heavy
 
-    device_of(args.device)  # an unknown device, or a GPU this machine does not have: one line
+    resolve_device(args.device)  # an unknown device, or a GPU this machine does not have: one line
 
 
 def run(args) -> int:

@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
                    help="keep the recipe's learning rate (default: scaled by sqrt(batch / the recipe's batch))")
     p.add_argument("--export", metavar="DIR",
                    help="also write the last state (float16), the profile, logs and summary into DIR, one flat folder")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
 
 

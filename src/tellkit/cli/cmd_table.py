@@ -60,7 +60,7 @@ def add_arguments(p) -> None:
                         "cannot hold (per-caption contexts) are encoded once in memory")
     p.add_argument("--split", default="test", help="split scored for the table (default: test)")
     p.add_argument("--out", default="runs/table", help="folder for the runs and table.json / table.md")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads (torch.set_num_threads)")
     p.add_argument("--rerun", action="store_true",
                    help="train and evaluate again rows that already have results (an unfinished row starts over)")

@@ -42,7 +42,7 @@ def add_arguments(p) -> None:
                    help="section.key=value overrides, right after CONFIG (values parsed as YAML)")
     p.add_argument("--out", help="run folder (default: runs/<config name>)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     p.add_argument("--save-every-steps", type=positive_int, default=None, metavar="N",
                    help="also checkpoint every N optimizer steps")
     p.add_argument("--save-every-minutes", type=_minutes, default=30.0, metavar="M",

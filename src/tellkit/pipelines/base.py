@@ -36,6 +36,7 @@ from tellkit.errors import TellkitError
 from tellkit.recipes import GenerationSettings, eval_batch_size, packaged_default
 from tellkit.tasks.processor import Processor
 from tellkit.utils import precision as precisions
+from tellkit.utils.precision import resolve_device
 
 log = logging.getLogger("tellkit")
 
@@ -61,32 +62,6 @@ def checkpoint_info(family: str, path: Path | str | None, meta: Mapping[str, Any
         except (OSError, ValueError):
             pass
     return info
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``device`` (None: the CPU) as a torch device, or a one-line error."""
-    try:
-        dev = torch.device(device or "cpu")
-    except (RuntimeError, TypeError) as exc:
-        raise TellkitError(f"device {device!r}: {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise TellkitError(f"device {device}: CUDA is not available here (use cpu)")
-    return dev
-
-
-def resolve_precision(device: torch.device, dtype: str | None) -> precisions.Precision:
-    """The compute precision ``device`` grants for ``dtype`` ('fp32' / 'bf16' or their long
-    names; None: float32); where it cannot, float32 with a ``note`` (logged)."""
-    if dtype is None:
-        return precisions.resolve(device, None)
-    try:
-        name = precisions.dtype_name(dtype)
-    except ValueError as exc:
-        raise TellkitError(f"dtype: {exc}") from None
-    granted = precisions.resolve(device, name)
-    if granted.note:
-        log.warning("%s", granted.note)
-    return granted
 
 
 class Pipeline:
@@ -132,7 +107,8 @@ class Pipeline:
     def load(cls, model: str | Path | None = None, device: str | torch.device | None = None,
              dtype: str | None = None, runtime: str | None = None, **options: Any) -> Pipeline:
         """A checkpoint folder (or a run folder of ``tellkit train``: its best checkpoint); None:
-        the packaged default. ``device``: cpu (default), cuda, cuda:N. ``dtype``: 'bf16' runs the
+        the packaged default. ``device``: cpu, cuda, cuda:N (None: the GPU when there is one, else
+        the CPU; the CPU for ``runtime='onnx'``). ``dtype``: 'bf16' runs the
         search in bfloat16 autocast where the device computes it natively (else float32 and a
         note in ``info``); 'fp32' or None: float32. ``runtime``: 'torch' (None) or 'onnx' (the
         model's ONNX graphs under ONNX Runtime, same processor and search: :mod:`tellkit.runtime`;
@@ -149,9 +125,12 @@ class Pipeline:
         if meta.get("family") not in cls.families:
             raise TellkitError(f"{path}: holds a '{meta.get('family')}' model, not one for '{cls.task}' "
                                f"({', '.join(cls.families)})")
-        dev = resolve_device(device)
+        # the ONNX runtime computes on the CPU: with no device named, that is where it runs
+        dev = resolve_device("cpu" if device is None and runtime == "onnx" else device)
         runtimes.check_runtime(runtime, device=dev, dtype=dtype)
-        granted = resolve_precision(dev, dtype)
+        granted = precisions.resolve_precision(dev, dtype)
+        if granted.note:
+            log.warning("%s", granted.note)
         generation = cls.processor_class.generation(meta, **options)
         processor = cls.build_processor(meta, path, dev, **proc_opts)
         net = load_model(path, map_location=dev).float()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tellkit.checkpoint import device_of
+from tellkit.utils.precision import resolve_device
 
 
 @dataclass
@@ -72,7 +72,7 @@ def setup(device: str | None = None) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
 
-    dev = device_of(device)  # one-line error for an unknown device or a missing GPU
+    dev = resolve_device(device)  # None: the GPU when there is one; one line for an unknown or missing device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", local_rank if world > 1 else torch.cuda.current_device())
     if dev.type == "cuda":

@@ -1,4 +1,14 @@
-"""Which reduced precision a device can compute in, and the autocast context for it.
+"""The device a computation runs on, which reduced precision it can compute in, and the autocast
+context for it: the one resolver every entry point (training, evaluation, the pipelines, the
+server, the commands) goes through.
+
+``resolve_device(spec)``: ``cpu``, ``cuda``, ``cuda:N`` (or ``mps``) as a usable device, else a
+one-line error. ONE default when no device is named (``None``): the first CUDA GPU when there
+is one, else the CPU (:func:`default_device`). The ONNX runtime computes on the CPU, so a
+pipeline on ``runtime="onnx"`` with no device named runs there.
+
+``resolve_precision(device, dtype)``: the precision ``device`` grants for a user's dtype name
+('bf16', 'fp32', ... or None), with a note when it grants less.
 
 Mixed precision keeps the weights (and the optimiser's state) in float32 and runs the matrix
 products and convolutions in a 16-bit type:
@@ -34,6 +44,8 @@ import platform
 from dataclasses import dataclass
 
 import torch
+
+from tellkit.errors import TellkitError
 
 #: names a user may give for a compute dtype (CLI ``--dtype``, recipes), and what they mean
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -173,3 +185,44 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.float32 or not torch.is_autocast_enabled(kind):
         return x
     return x.to(torch.get_autocast_dtype(kind))
+
+
+def default_device() -> torch.device:
+    """The device used when none is named: the first CUDA GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(spec: str | torch.device | None = None) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` (or ``mps``) as a usable device, else a one-line error;
+    None: :func:`default_device`."""
+    if spec is None:
+        return default_device()
+    if isinstance(spec, torch.device):
+        dev = spec
+    else:
+        try:
+            dev = torch.device(str(spec))
+        except (RuntimeError, ValueError) as exc:
+            raise TellkitError(f"unknown device {spec!r} (use cpu, cuda or cuda:N)") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TellkitError(f"device {spec!s}: no CUDA GPU is available here (use --device cpu)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise TellkitError(f"device {spec!s}: only {torch.cuda.device_count()} CUDA GPU(s) here")
+    elif dev.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise TellkitError(f"device {spec!s}: MPS is not available here")
+    elif dev.type not in ("cpu", "meta"):
+        raise TellkitError(f"unsupported device {spec!s} (use cpu, cuda or cuda:N)")
+    return dev
+
+
+def resolve_precision(device: torch.device | str, dtype: str | None) -> Precision:
+    """The compute precision ``device`` grants for the user's ``dtype`` ('bf16' / 'fp32' /
+    'fp16' or their long names; None: float32): where it cannot, float32 with a ``note`` (the
+    caller logs or records it); an unknown name is a one-line error."""
+    try:
+        wanted = None if dtype is None else dtype_name(dtype)
+    except ValueError as exc:
+        raise TellkitError(f"dtype: {exc}") from None
+    return resolve(device, wanted)

@@ -16,11 +16,10 @@ from tellkit.workflows.evaluate import (
     checkpoint_recipe,
     default_eval_dir,
     evaluate_checkpoint,
-    generation_precision,
 )
 from tellkit.workflows.table import TableOptions, cacheable, feature_key, published_numbers, table_row
 from tellkit.workflows.train import train_recipe
 
 __all__ = ["EvalResult", "TableOptions", "cacheable", "checkpoint_recipe", "default_eval_dir",
-           "evaluate_checkpoint", "feature_key", "generation_precision", "published_numbers",
+           "evaluate_checkpoint", "feature_key", "published_numbers",
            "table_row", "train_recipe"]

@@ -108,12 +108,13 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
         # evaluation never augments: a stored recipe's training augmentation (pen-stroke keys, say)
         # must not keep a model from reading other data (bitmaps with data.layout=tsv)
         recipe["data"] = {**recipe["data"], "augment": {}}
-    info = distributed.setup(device)
+    # the ONNX runtime computes on the CPU: with no device named, that is where it runs
+    info = distributed.setup("cpu" if device is None and runtime == "onnx" else device)
     try:
         task = make_task(recipe) if task is None else task
         model = load_model(ckpt, map_location=info.device).float()
         task.progress = progress
-        task.precision = generation_precision(info.device, dtype)
+        task.precision = precisions.resolve_precision(info.device, dtype)
         dataset = task.build_dataset(split)
         if dataset is None or len(dataset) == 0:
             raise TellkitError(f"split '{split}' is empty")
@@ -136,12 +137,3 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
     finally:
         distributed.teardown(info)
     return result
-
-
-def generation_precision(device, dtype: str | None) -> precisions.Precision:
-    """The compute precision of generation on ``device`` for ``dtype`` ('bf16', 'fp32', None)."""
-    try:
-        wanted = None if dtype is None else precisions.dtype_name(dtype)
-    except ValueError as exc:
-        raise TellkitError(f"--dtype: {exc}") from None
-    return precisions.resolve(device, wanted)

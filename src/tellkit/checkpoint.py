@@ -31,6 +31,7 @@ from tellkit.config import from_dict, to_dict
 from tellkit.errors import TellkitError
 from tellkit.registry import get_entry
 from tellkit.utils.files import atomic_write_bytes, atomic_write_json, read_bytes
+from tellkit.utils.parameters import count_parameters, parameter_breakdown
 from tellkit.utils.precision import resolve_device
 
 CONFIG_NAME = "config.json"
@@ -407,30 +408,6 @@ class PretrainedMixin:
         return dict(self.named_children())  # type: ignore[attr-defined]
 
     def parameter_breakdown(self) -> dict[str, int]:
-        """Trainable parameters per part of :meth:`parameter_parts`, in one shape for every
-        model: the parts are disjoint (a tensor shared by two parts, such as a tied embedding,
-        counts in the first part that holds it) and sum to ``num_parameters(trainable_only=True)``;
-        trainable parameters no part holds are counted as ``"other"``."""
-        seen: set[int] = set()
-        out: dict[str, int] = {}
-        for name, part in self.parameter_parts().items():
-            modules = [] if part is None else [part] if isinstance(part, torch.nn.Module) else list(part)
-            out[name] = count_parameters(modules, trainable_only=True, seen=seen)
-        rest = count_parameters([self], trainable_only=True, seen=seen)  # type: ignore[list-item]
-        if rest:
-            out["other"] = rest
-        return out
-
-
-def count_parameters(modules, trainable_only: bool = False, seen: set[int] | None = None) -> int:
-    """Parameters of ``modules``, each shared (tied) tensor counted once. Pass the same ``seen``
-    set to several calls to count each tensor only in the first call that meets it."""
-    seen = set() if seen is None else seen
-    n = 0
-    for m in modules:
-        for p in m.parameters():
-            if id(p) in seen or (trainable_only and not p.requires_grad):
-                continue
-            seen.add(id(p))
-            n += p.numel()
-    return n
+        """Trainable parameters per part of :meth:`parameter_parts`
+        (:func:`tellkit.utils.parameters.parameter_breakdown`)."""
+        return parameter_breakdown(self.parameter_parts(), self)  # type: ignore[arg-type]

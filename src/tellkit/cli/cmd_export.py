@@ -12,13 +12,13 @@ from __future__ import annotations
 import sys
 
 from tellkit.errors import TellkitError
+from tellkit.export import FORMATS
 from tellkit.utils.files import check_output_path
 from tellkit.utils.runlock import pruned_while_reading, reading_states
 
 NAME = "export"
 HELP = ("write a checkpoint (or a run's best) as a compact inference checkpoint (float16 weights), "
         "as ONNX graphs, or as the reference implementation's .ckpt")
-FORMATS = ("safetensors", "onnx", "reference")
 OLD_FORMATS = {"checkpoint": "safetensors"}  # earlier names a user may still type
 
 

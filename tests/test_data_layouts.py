@@ -87,6 +87,20 @@ def test_mathwriting_maps_a_crohme_split_name_to_the_releases_folder(mathwriting
         load_split(mathwriting, "nope", "mathwriting")
 
 
+def test_the_releases_labels_keep_their_structure():
+    """Accents, fonts and matrices (MathWriting's normalizedLabel, HME100K's spaced LaTeX) keep
+    their arguments and rows; the normal form reads back to itself."""
+    from tellkit.data.latex import normalize
+
+    cases = {r"\hat{ab}+\mathbb{R}": r"\hat { a b } + \mathbb { R }",
+             r"\begin{matrix}a&b\\c&d\end{matrix}": r"\begin{matrix} a & b \\ c & d \end{matrix}",
+             r"\overline { x y } _ { 1 }": r"\overline { x y } _ { 1 }",
+             r"\vec v": r"\vec { v }"}
+    for raw, want in cases.items():
+        got = normalize(raw)
+        assert " ".join(got) == want and normalize(" ".join(got)) == got
+
+
 def _jpg(path: Path, seed: int = 0) -> None:
     from PIL import Image, ImageDraw
 

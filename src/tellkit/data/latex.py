@@ -12,6 +12,10 @@ score on a space-separated 110-symbol form in which
 * synonyms are merged: ``\\lt`` -> ``<``, ``\\gt`` -> ``>``, ``\\to`` -> ``\\rightarrow``,
   ``\\dots`` -> ``\\ldots``, spelled-out ``l o g`` / ``s i n`` ... -> ``\\log`` / ``\\sin``.
 
+Beyond CROHME's symbols (the labels of MathWriting and HME100K), accents and fonts keep their
+argument braced (``\\hat { a b }``, ``\\mathbb { R }``), an environment's name is part of one
+token (``\\begin{matrix}``), and ``\\\\`` is kept as a row break inside an environment.
+
 :func:`normalize` maps raw LaTeX to that form (a token list); :class:`Vocab` maps tokens to ids
 (``<pad>`` = 0, ``<sos>`` = 1, ``<eos>`` = 2, then the 110 symbols in sorted order).
 The parser is our own: a small recursive descent over groups and argument-taking commands.
@@ -55,6 +59,14 @@ DROPPED = {
 }
 # wrappers whose single argument is spliced in without braces
 UNWRAP = {"\\mbox", "\\mathrm", "\\text", "\\textrm", "\\mathit", "\\mathbf", "\\rm", "\\operatorname"}
+# commands of one argument outside CROHME's symbols (accents, fonts: MathWriting, HME100K): the
+# argument keeps its braces, ``\hat{ab}`` -> ``\hat { a b }``
+ARG1 = {
+    "\\hat", "\\bar", "\\overline", "\\underline", "\\vec", "\\dot", "\\ddot", "\\tilde", "\\widehat",
+    "\\widetilde", "\\check", "\\breve", "\\acute", "\\grave", "\\mathring", "\\mathbb", "\\mathcal",
+    "\\mathfrak", "\\mathscr", "\\boldsymbol", "\\overrightarrow", "\\overleftarrow", "\\underbrace",
+    "\\overbrace",
+}
 # spelled-out function names written letter by letter
 FUNCTION_WORDS = {"log": "\\log", "sin": "\\sin", "cos": "\\cos", "tan": "\\tan", "lim": "\\lim"}
 
@@ -140,6 +152,7 @@ class _Emitter:
 
     def __init__(self):
         self.out: list[str] = []
+        self.env = 0  # depth of \begin{...} environments, inside which \\ separates rows
 
     def seq(self, items: list) -> None:
         i = 0
@@ -154,6 +167,17 @@ class _Emitter:
             self.seq(x.items)
             return i
         t = SYNONYMS.get(x, x)
+        if t in ("\\begin", "\\end") and i < len(items) and isinstance(items[i], _Group) and items[i].items \
+                and all(isinstance(c, str) and (c.isalpha() or c == "*") for c in items[i].items):
+            self.out.append(t + "{" + "".join(items[i].items) + "}")  # one token: \begin{matrix}
+            self.env = max(0, self.env + (1 if t == "\\begin" else -1))
+            return i + 1
+        if t == "\\\\" and self.env:  # a row break inside an environment (matrices, cases)
+            self.out.append(t)
+            return i
+        if t in ARG1:
+            self.out.append(t)
+            return self.argument(items, i, t)
         if t in DROPPED:
             if t in ("\\left", "\\right") and i < len(items) and items[i] == ".":
                 i += 1  # \left. / \right. : an invisible delimiter

@@ -26,7 +26,8 @@ def _task(recipe: str, root: Path, **data):
     return get_task(r["task"])(r)
 
 
-@pytest.mark.parametrize("recipe", ["crohme_cpu_extra.yaml", "crohme_aug_extra.yaml", "comer_aug_extra.yaml"])
+@pytest.mark.parametrize("recipe", ["crohme_cpu_extra.yaml", "crohme_aug_extra.yaml", "comer_aug_extra.yaml",
+                                    "crohme_aug_extra_forest.yaml"])
 def test_extra_recipes_validate_beside_root_and_test_on_2014(tmp_path, recipe):
     data = tmp_path / "somewhere"
     _folder(data / "crohme_inkml" / "train" / "S", ["x", "y", "1"])
@@ -65,6 +66,7 @@ def test_extra_recipe_without_the_folder_says_where_it_looked(tmp_path):
 
 
 def test_packaged_copies_of_the_extra_recipes_are_the_same():
-    for name in ("crohme_cpu_extra.yaml", "crohme_aug_extra.yaml", "comer_aug_extra.yaml"):
+    for name in ("crohme_cpu_extra.yaml", "crohme_aug_extra.yaml", "comer_aug_extra.yaml",
+                 "crohme_aug_extra_forest.yaml"):
         a = (ROOT / "configs" / "bttr" / name).read_text(encoding="utf-8")
         assert a == (ROOT / "src" / "tellkit" / "configs" / "bttr" / name).read_text(encoding="utf-8")

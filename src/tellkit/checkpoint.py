@@ -302,7 +302,8 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
     symbols: the old rows are copied exactly, the new ones keep their initial values); the
     checkpoint's other settings (dropout, search) are not taken. A model of another family goes
     to ``model.adopt_weights`` where the model has one (CoMER from BTTR), whose report of what was
-    copied and what is new is left in ``model.init_report``. Returns the checkpoint folder used."""
+    copied and what is new is left in ``model.init_report``, as it is when the model has parts
+    under its ``optional_weight_prefixes`` that the checkpoint lacks. Returns the checkpoint folder used."""
     d = resolve_checkpoint(directory)
     src = load_model(d, map_location="cpu")
     family = getattr(model, "family", None)
@@ -320,14 +321,26 @@ def load_weights_into(model: nn.Module, directory: str | os.PathLike) -> Path:
         a, b = own[k].shape, theirs[k].shape
         return a == b or (k in rows and a[1:] == b[1:] and a[0] > b[0])
 
-    bad = sorted(k for k in set(own) | set(theirs) if k not in own or k not in theirs or not fits(k))
+    # parts a model of the family may have or lack (training-only heads): new ones keep their
+    # initial values, the checkpoint's extra ones are left out
+    optional = tuple(getattr(model, "optional_weight_prefixes", ()))
+
+    def absent_but_optional(k: str) -> bool:
+        return bool(optional) and k.startswith(optional) and (k not in own or k not in theirs)
+
+    bad = sorted(k for k in set(own) | set(theirs)
+                 if not absent_but_optional(k) and (k not in own or k not in theirs or not fits(k)))
     if bad:
         raise TellkitError(f"{d}: weights do not fit this model's configuration "
                            f"({len(bad)} tensors differ, e.g. {bad[:3]})")
     with torch.no_grad():
         for k, v in own.items():
-            t = theirs[k].to(v.dtype)
-            (v[: t.shape[0]] if v.dim() else v).copy_(t)
+            if k in theirs:
+                t = theirs[k].to(v.dtype)
+                (v[: t.shape[0]] if v.dim() else v).copy_(t)
+    new = sorted(k for k in own if k not in theirs)
+    if new:
+        model.init_report = {"copied": sorted(k for k in own if k in theirs), "new": new}
     return d
 
 

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tellkit.checkpoint import PretrainedMixin
-from tellkit.data.latex import EOS_ID, PAD_ID, SOS_ID
+from tellkit.data import position_forest as forest
+from tellkit.data.latex import EOS_ID, PAD_ID, SOS_ID, Vocab
 from tellkit.decoding.runaway import RunawayStop
 from tellkit.decoding.state import IncrementalDecoder, RowContext, reorder_state
 from tellkit.errors import TellkitError
@@ -44,6 +45,7 @@ from tellkit.registry import register_model
 PAD, SOS, EOS = PAD_ID, SOS_ID, EOS_ID  # token ids (tellkit.data.latex.Vocab)
 VARIANTS = ("reference", "tellkit-0.1")
 LEGACY = "tellkit-0.1"
+_ITOS = Vocab().itos  # label ids -> tokens, for the position-forest targets
 
 
 @dataclass
@@ -71,6 +73,11 @@ class BTTRConfig:
     # "tellkit-0.1": the pre-activation DenseNet and block sin|cos positions of checkpoints
     # written by tellkit 0.1 (kept so that they still load)
     variant: str = "reference"
+    # beyond the BTTR and CoMER papers: PosFormer's position-forest targets (each symbol's nesting
+    # layer and relative position, tellkit.data.position_forest) predicted from the decoder's last
+    # hidden states by two small heads, each loss weighted by this much; 0: off (no heads). The
+    # search never uses them. PosFormer's own weight is 0.25 (loss (ce + w layer + w pos) / (1 + 2w)).
+    position_forest: float = 0.0
 
     @staticmethod
     def upgrade_checkpoint_config(config: dict, meta: dict) -> dict:
@@ -82,6 +89,8 @@ class BTTRConfig:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise TellkitError(f"bttr: unknown variant {self.variant!r} (one of {', '.join(VARIANTS)})")
+        if isinstance(self.position_forest, bool) or not 0 <= float(self.position_forest) < 100:
+            raise TellkitError(f"bttr: position_forest is a loss weight >= 0 (0: off), got {self.position_forest!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +431,11 @@ class Decoder(nn.Module):
         self.legacy_positions = SinusoidalPositions(c.d_model) if c.variant == LEGACY else None
         self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_decoder_layers))
         self.out = nn.Linear(c.d_model, c.vocab_size)
+        if c.position_forest:  # PosFormer's heads: d -> 128 -> ReLU -> classes
+            self.forest = nn.ModuleDict({
+                "layer": nn.Sequential(nn.Linear(c.d_model, 128), nn.ReLU(), nn.Linear(128, forest.NUM_LAYERS)),
+                "position": nn.Sequential(nn.Linear(c.d_model, 128), nn.ReLU(), nn.Linear(128, forest.NUM_POSITIONS)),
+            })
 
     def positions(self, length: int, start: int, device) -> torch.Tensor:
         if self.legacy_positions is not None:
@@ -464,12 +478,29 @@ class Decoder(nn.Module):
         pad = target_padding(tokens, states)
         for i, layer in enumerate(self.layers):
             x = layer(x, kvs[i], None if states is None else states[i], pad=pad)
+        self.last_hidden = x if self.training and hasattr(self, "forest") else None  # for the forest heads
         return rows.linear(self.out, x)
 
 
 # ---------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------
+def forest_targets(labels: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position-forest targets [2B, width] aligned with :func:`bidirectional_targets`' targets:
+    rows 0..B-1 left to right, B..2B-1 right to left (reversed); the end token and padding get
+    ``forest.IGNORE``."""
+    itos = _ITOS
+    b = labels.shape[0]
+    layer_t = torch.full((2 * b, width), forest.IGNORE, dtype=torch.long)
+    pos_t = torch.full((2 * b, width), forest.IGNORE, dtype=torch.long)
+    for i, (row, n) in enumerate(zip(labels.tolist(), lengths.tolist())):
+        layers, positions = forest.position_forest([itos[t] if 0 <= t < len(itos) else "" for t in row[:n]])
+        layer_t[i, :n], pos_t[i, :n] = torch.tensor(layers, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+        layer_t[b + i, :n] = torch.tensor(layers[::-1], dtype=torch.long)
+        pos_t[b + i, :n] = torch.tensor(positions[::-1], dtype=torch.long)
+    return layer_t, pos_t
+
+
 def bidirectional_targets(labels: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """labels [B, T] (no sos/eos, PAD-padded) -> decoder inputs and targets [2B, T+1]:
     rows 0..B-1 left-to-right (inputs sos y, targets y eos), rows B..2B-1 right-to-left (inputs
@@ -500,6 +531,7 @@ class BTTR(nn.Module, PretrainedMixin):
     # the tensors with one row per vocabulary entry: fine-tuning on a grown vocabulary keeps
     # their old rows and adds new ones (tellkit.checkpoint.load_weights_into)
     vocabulary_rows = ("decoder.embed.weight", "decoder.out.weight", "decoder.out.bias")
+    optional_weight_prefixes = ("decoder.forest.",)  # the position-forest heads (training only)
 
     def __init__(self, config: BTTRConfig):
         super().__init__()
@@ -522,7 +554,26 @@ class BTTR(nn.Module, PretrainedMixin):
             return {**logits_loss(logits, tgt, ignore_index=PAD), "logits": logits}
         memory, mmask = self.encode(batch["image"], batch.get("image_mask"))
         logits = self.decoder(inp, memory.repeat(2, 1, 1), torch.cat([mmask, mmask]))
-        return {**logits_loss(logits, tgt, ignore_index=PAD), "logits": logits}
+        out = {**logits_loss(logits, tgt, ignore_index=PAD), "logits": logits}
+        if getattr(self.decoder, "last_hidden", None) is not None:
+            out = self._forest_loss(out, self.decoder.last_hidden, batch["labels"], batch["label_lengths"])
+        return out
+
+    def _forest_loss(self, out: dict[str, Any], hidden: torch.Tensor, labels: torch.Tensor,
+                     lengths: torch.Tensor) -> dict[str, Any]:
+        """``position_forest``: the loss becomes (ce + w * layer CE + w * position CE) / (1 + 2w),
+        PosFormer's mix, the two CEs over the symbols of both directions (not the end tokens)."""
+        layer_t, pos_t = forest_targets(labels, lengths, hidden.shape[1])
+        w = float(self.config.position_forest)
+        heads = self.decoder.forest
+        parts = {}
+        for name, t in (("layer", layer_t), ("position", pos_t)):
+            logits = heads[name](hidden).float()
+            parts[name] = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.to(hidden.device).reshape(-1),
+                                          ignore_index=forest.IGNORE)
+        loss = (out["loss"] + w * parts["layer"] + w * parts["position"]) / (1 + 2 * w)
+        return {**out, "loss": loss, "forest_layer_loss": parts["layer"].detach(),
+                "forest_position_loss": parts["position"].detach()}
 
     # --- decoding API used by tellkit.models.bttr_search ------------------------------
     def incremental(self, memory: torch.Tensor, memory_mask: torch.Tensor, owner: torch.Tensor,

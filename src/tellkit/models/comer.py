@@ -226,6 +226,7 @@ class ComerDecoder(Decoder):
         pad = target_padding(tokens, states)  # padded rows still enter the ARM's BatchNorm, as in the reference
         for i, layer in enumerate(self.layers):
             x = layer(x, kvs[i], None if states is None else states[i], ctx, pad=pad)
+        self.last_hidden = x if self.training and hasattr(self, "forest") else None  # for the forest heads
         return self.out(x)
 
 

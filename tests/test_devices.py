@@ -27,6 +27,9 @@ def test_training_and_the_pipelines_take_the_same_default(tmp_path, monkeypatch)
     monkeypatch.undo()
     create_model("bttr/tiny").save_pretrained(tmp_path / "m", extra={"task": "recognition"})
     assert tellkit.pipeline("recognize", tmp_path / "m").device == default_device()
+    from tellkit.pipelines.recognition import RecognitionPipeline
+
+    assert RecognitionPipeline.untrained().device == default_device()  # tellkit serve --untrained, no --device
 
 
 @pytest.mark.parametrize("spec, message", [("bogus", "unknown device 'bogus'"), ("xpu", "unsupported device xpu")])

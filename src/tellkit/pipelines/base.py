@@ -75,12 +75,12 @@ class Pipeline:
     processor_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, model, processor: Processor, generation: GenerationSettings, *,
-                 info: Mapping[str, Any] | None = None, device: str | torch.device = "cpu",
+                 info: Mapping[str, Any] | None = None, device: str | torch.device | None = None,
                  precision: precisions.Precision | None = None, batch_size: int = 8, runner: Any = None):
         self.model = model.eval()
         self.processor = processor
         self.generation = generation
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.precision = precision or precisions.resolve(self.device, None)
         if isinstance(batch_size, bool) or int(batch_size) < 1:
             raise TellkitError(f"batch size must be at least 1, got {batch_size}")

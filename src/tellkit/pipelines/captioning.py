@@ -27,6 +27,7 @@ from tellkit.pipelines.base import Pipeline
 from tellkit.recipes import DEFAULT_ARTICLE_ENCODER
 from tellkit.registry import create_model
 from tellkit.tasks.captioning import NO_OBJECT_DETECTOR, CaptionGeneration, CaptionProcessor, article_input
+from tellkit.utils.precision import resolve_device
 
 __all__ = ["CAPTION_FAMILIES", "FACE_DETECT_MAX_SIDE", "NO_OBJECT_DETECTOR", "CaptioningPipeline", "article_input"]
 
@@ -74,11 +75,12 @@ class CaptioningPipeline(Pipeline):
         return self.processor.reads_articles
 
     @classmethod
-    def untrained(cls, seed: int = 0, device: str = "cpu") -> CaptioningPipeline:
+    def untrained(cls, seed: int = 0, device: str | None = None) -> CaptioningPipeline:
         """A tiny randomly initialised Transform and Tell over the real offline encoders: the
         page and the API work end to end, but the captions are noise (``info.trained`` is false)."""
         import torch  # heavy
 
+        device = resolve_device(device)  # None: the GPU when there is one, else the CPU
         contexts = ("image", "article", "faces")
         torch.manual_seed(seed)
         model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, face_dim=512,

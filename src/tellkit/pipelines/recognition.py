@@ -31,6 +31,7 @@ from tellkit.registry import create_model
 from tellkit.tasks.processor import input_path, is_pil
 from tellkit.tasks.recognition import MAX_INPUT_PIXELS, RecognitionGeneration, RecognitionProcessor, Strokes
 from tellkit.utils.images import ImageError, check_image_path, open_image
+from tellkit.utils.precision import resolve_device
 
 __all__ = ["SAMPLE_INKML", "SAMPLE_LATEX", "SAMPLE_PATH", "RecognitionPipeline", "Strokes"]
 
@@ -72,11 +73,12 @@ class RecognitionPipeline(Pipeline):
         return self.processor.decode(outputs, batch, max_len=self.generation.max_len, **options)
 
     @classmethod
-    def untrained(cls, seed: int = 0, device: str = "cpu") -> RecognitionPipeline:
+    def untrained(cls, seed: int = 0, device: str | None = None) -> RecognitionPipeline:
         """A tiny randomly initialised BTTR: the page and the API work end to end, but the LaTeX
         is noise (``info.trained`` is false)."""
         import torch  # heavy
 
+        device = resolve_device(device)  # None: the GPU when there is one, else the CPU
         torch.manual_seed(seed)
         model = create_model("bttr/tiny").eval().to(device)
         return cls(model, RecognitionProcessor(), RecognitionGeneration(beam_size=2, max_len=12), device=device,

@@ -250,7 +250,8 @@ def test_server_answers_carry_confidence_and_unsure(captioner, tiny_reader):
     path, image = tiny_reader
     reader = RecognitionPipeline.load(path)
     reader.processor.calibration = CAL
-    app = create_app(captioner, reader, Limits(max_upload_bytes=300_000, max_image_pixels=400_000))
+    app = create_app({"caption": captioner, "recognize": reader},
+                     Limits(max_upload_bytes=300_000, max_image_pixels=400_000))
     with TestClient(app) as client:
         with open(image, "rb") as f:
             r = client.post("/api/recognize", files={"image": ("e.png", f.read(), "image/png")})

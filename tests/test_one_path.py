@@ -1,10 +1,11 @@
 """One path from input to answer: `tellkit evaluate`, the command (`tellkit recognize` /
 `tellkit caption`), the server's API and `tellkit.pipeline` give the same answers on the same
 real inputs, because they run the same processor and the same `generate` with the same stored
-generation settings. BTTR on 20 CROHME 2014 InkML files, the packaged model with its search
-stored at beam 4 (to keep the test short; otherwise the default's: bidirectional, rescored) and
-with a non-default setting stored as well (no rescoring); the packaged captioner on 8 Flickr8k
-test photos."""
+generation settings (the runaway stop and the runtime included). BTTR on 20 CROHME 2014 InkML
+files, the packaged model with its search stored at beam 4 (to keep the test short; otherwise
+the default's: bidirectional, rescored) and with a non-default setting stored as well (no
+rescoring), on PyTorch and on ONNX Runtime (`--runtime onnx`); photos given to the formula reader,
+whose searches run away and are stopped; the packaged captioner on 8 Flickr8k test photos."""
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ import pytest
 
 import tellkit
 from tellkit.cli import main
-from tellkit.recipes import PACKAGED_DEFAULTS
+from tellkit.recipes import ASSETS, PACKAGED_DEFAULTS
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -87,7 +88,7 @@ def test_bttr_answers_the_same_everywhere(stored, inkml_root, stored_searches, t
     by_api = dict(zip(map(str, files), pipe([str(f) for f in files])))
 
     by_server = {}
-    with TestClient(create_app(None, tellkit.pipeline("recognize", ckpt), serve_page=False)) as client:
+    with TestClient(create_app({"recognize": tellkit.pipeline("recognize", ckpt)}, serve_page=False)) as client:
         for f in files:
             strokes = [[[float(x), float(y)] for x, y in s[:, :2]] for s in read_inkml(f).strokes]
             r = client.post("/api/recognize", data={"strokes": json.dumps(strokes)})
@@ -115,6 +116,82 @@ def test_the_stored_search_setting_changes_the_search(inkml_root, stored_searche
     assert any(abs(a["score"] - b["score"]) > 1e-3 for a, b in zip(rescored, plain))
 
 
+def test_a_runaway_input_answers_the_same_everywhere(stored_searches, capsys):
+    """Photos given to the formula reader: every entry point stops the same runaway searches
+    (the stored generation setting, not the caller) and gives the same answer, flagged unsure."""
+    from tellkit.tasks import make_task
+    from tellkit.workflows import checkpoint_recipe
+
+    ckpt = stored_searches["rescored"]
+    photos = [str(ASSETS / "demo_caption" / name) for name in ("chelsea.jpg", "coffee.jpg")]
+    pipe = tellkit.pipeline("recognize", ckpt)
+    by_api = dict(zip(photos, pipe(photos)))
+    unstopped = dict(zip(photos, tellkit.pipeline("recognize", ckpt, stop_runaways=False)(photos)))
+
+    assert main(["recognize", *photos, "--model", str(ckpt), "--json"]) == 0
+    by_cli = {r["input"]: r for r in _json_lines(capsys.readouterr().out)}
+
+    task = make_task(checkpoint_recipe(ckpt))  # what evaluation runs: the task's predict
+    by_eval = {f: task.predict(pipe.model, pipe.preprocess(pipe.prepare([f])))[0] for f in photos}
+
+    by_server = {}
+    with TestClient(create_app({"recognize": tellkit.pipeline("recognize", ckpt)}, serve_page=False)) as client:
+        for f in photos:
+            r = client.post("/api/recognize", files={"image": (Path(f).name, Path(f).read_bytes(), "image/jpeg")})
+            assert r.status_code == 200, r.text
+            by_server[f] = r.json()
+
+    for f in photos:
+        answers = {"evaluate": (by_eval[f]["prediction"], by_eval[f]["unsure"]),
+                   "recognize": (by_cli[f]["text"], by_cli[f]["unsure"]),
+                   "pipeline": (by_api[f]["text"], by_api[f]["unsure"]),
+                   "server": (by_server[f]["latex"], by_server[f]["unsure"])}
+        assert len(set(answers.values())) == 1 and by_api[f]["unsure"] is True, (f, answers)
+        # the search was stopped: without the stop it writes on to the length limit
+        assert len(by_api[f]["tokens"]) < len(unstopped[f]["tokens"]) == pipe.generation.max_len, f
+
+
+def test_bttr_answers_the_same_on_onnx_runtime(inkml_root, stored_searches, tmp_path, capsys, monkeypatch):
+    """``--runtime onnx`` (evaluate, the command, the pipeline and a server over it) gives the
+    answers of PyTorch: the runtime is chosen where the model is loaded, the same way for all."""
+    pytest.importorskip("onnxruntime")
+    from tellkit.data.inkml import read_inkml
+
+    monkeypatch.setenv("TELLKIT_CACHE", str(tmp_path / "cache"))
+    ckpt = stored_searches["rescored"]
+    root = tmp_path / "crohme"
+    (root / "test" / "2014").mkdir(parents=True)
+    files = []
+    for f in sorted((inkml_root / "test" / "2014").glob("*.inkml"))[:8]:
+        (root / "test" / "2014" / f.name).symlink_to(f.resolve())
+        files.append(root / "test" / "2014" / f.name)
+    paths = [str(f) for f in files]
+    by_torch = dict(zip(paths, (r["text"] for r in tellkit.pipeline("recognize", ckpt)(paths))))
+
+    evaluated = _evaluated(capsys, ckpt, root, tmp_path / "ev", "data.test=2014", "data.limit={}",
+                           f"data.cache={tmp_path / 'renders'}", "--runtime", "onnx")
+    by_eval = {str(root / "test" / "2014" / f"{i}.inkml"): r["prediction"] for i, r in evaluated.items()}
+    assert json.loads((tmp_path / "ev" / "metrics_test.json").read_text())["runtime"] == "onnx"
+
+    assert main(["recognize", *paths, "--model", str(ckpt), "--runtime", "onnx", "--json"]) == 0
+    by_cli = {r["input"]: r["text"] for r in _json_lines(capsys.readouterr().out)}
+    pipe = tellkit.pipeline("recognize", ckpt, runtime="onnx")
+    assert pipe.info["runtime"] == "onnx" and pipe.runner is not pipe.model
+    by_api = dict(zip(paths, (r["text"] for r in pipe(paths))))
+    by_server = {}
+    with TestClient(create_app({"recognize": pipe}, serve_page=False)) as client:
+        for f in files:
+            strokes = [[[float(x), float(y)] for x, y in s[:, :2]] for s in read_inkml(f).strokes]
+            r = client.post("/api/recognize", data={"strokes": json.dumps(strokes)})
+            assert r.status_code == 200, r.text
+            by_server[str(f)] = r.json()["latex"]
+
+    for f in paths:
+        answers = {"torch": by_torch[f], "evaluate": by_eval[f], "recognize": by_cli[f], "pipeline": by_api[f],
+                   "server": by_server[f]}
+        assert len(set(answers.values())) == 1, (f, answers)
+
+
 def test_the_captioner_answers_the_same_everywhere(shared_data, tmp_path, capsys):
     from tellkit.tasks import make_task
     from tellkit.workflows import checkpoint_recipe
@@ -139,7 +216,7 @@ def test_the_captioner_answers_the_same_everywhere(shared_data, tmp_path, capsys
     by_cli = {r["input"]: r["text"] for r in _json_lines(capsys.readouterr().out)}
     by_api = dict(zip(files, (r["text"] for r in tellkit.pipeline("caption")(files))))
     by_server = {}
-    with TestClient(create_app(tellkit.pipeline("caption"), None, serve_page=False)) as client:
+    with TestClient(create_app({"caption": tellkit.pipeline("caption")}, serve_page=False)) as client:
         for f in files:
             r = client.post("/api/caption", files={"image": (Path(f).name, Path(f).read_bytes(), "image/jpeg")})
             assert r.status_code == 200, r.text

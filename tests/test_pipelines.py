@@ -154,7 +154,7 @@ def test_the_api_and_page_say_the_objects_set_is_empty():
     cap = P.CaptioningPipeline(model, CaptionProcessor(FakeBundle(None, ("image", "objects"))))
     buf = io.BytesIO()
     Image.new("RGB", (32, 32), "blue").save(buf, "PNG")
-    with TestClient(create_app(cap, None)) as c:
+    with TestClient(create_app({"caption": cap})) as c:
         r = c.post("/api/caption", files={"image": ("a.png", buf.getvalue(), "image/png")})
     assert r.status_code == 200, r.text
     assert r.json()["objects"]["count"] == 0 and "no object detector" in r.json()["objects"]["note"]

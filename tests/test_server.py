@@ -57,7 +57,8 @@ def backends():
 
 @pytest.fixture(scope="module")
 def client(backends):
-    app = create_app(*backends, Limits(max_upload_bytes=300_000, max_image_pixels=400_000, max_article_chars=2_000))
+    app = create_app(dict(zip(("caption", "recognize"), backends)),
+                     Limits(max_upload_bytes=300_000, max_image_pixels=400_000, max_article_chars=2_000))
     with TestClient(app) as c:
         yield c
 
@@ -72,7 +73,7 @@ def test_the_page_offers_the_packaged_samples(client):
     assert next(s for s in index["caption"] if s["name"] == "chelsea.jpg")["article"] is None
     r = client.get(rocket["url"])
     assert r.status_code == 200 and r.headers["content-type"] == "image/jpeg" and r.content[:2] == b"\xff\xd8"
-    math = index["math"][0]  # the first of the sample formulas
+    math = index["recognize"][0]  # the first of the sample formulas
     assert math["latex"] == "x ^ { 2 } + 1" and len(math["strokes"]) >= 4
     assert all(len(p) == 2 for stroke in math["strokes"] for p in stroke)
     assert client.get(math["url"]).headers["content-type"] == "image/png"
@@ -86,9 +87,9 @@ def test_health_says_which_models_and_that_they_are_untrained(client):
     h = client.get("/health").json()
     assert h["status"] == "ok"
     assert h["models"]["caption"]["name"] == "transform_and_tell" and h["models"]["caption"]["trained"] is False
-    assert h["models"]["math"]["name"] == "bttr" and h["models"]["math"]["trained"] is False
+    assert h["models"]["recognize"]["name"] == "bttr" and h["models"]["recognize"]["trained"] is False
     assert h["limits"]["max_upload_bytes"] == 300_000
-    assert set(h["workers"]) == {"caption", "math"}
+    assert set(h["workers"]) == {"caption", "recognize"}
 
 
 def test_openapi_schema_published_and_no_cdn_docs(client):
@@ -226,7 +227,7 @@ def test_unknown_route_and_method(client):
 
 
 def test_model_not_loaded_is_503(backends):
-    with TestClient(create_app(None, backends[1], serve_page=False)) as c:
+    with TestClient(create_app({"recognize": backends[1]}, serve_page=False)) as c:
         assert c.get("/health").json()["models"]["caption"] is None
         _err(c.post("/api/caption", files={"image": ("a.png", png(), "image/png")}), 503, "model_not_loaded")
 
@@ -239,7 +240,7 @@ class SlowEcho:
         self.delay, self.calls = delay, []
         self.info = {"name": "slow-echo", "trained": False, "checkpoint": None}
 
-    task = "recognize"
+    task, api_text = "recognize", "latex"
 
     def __call__(self, images):
         self.calls.append(len(images))
@@ -261,11 +262,11 @@ def _concurrently(fn, n):
 
 def test_concurrent_requests_share_forward_passes():
     be = SlowEcho(delay=0.4)
-    app = create_app(None, be, max_batch=8, max_wait_ms=50, serve_page=False)
+    app = create_app({"recognize": be}, max_batch=8, max_wait_ms=50, serve_page=False)
     with ServerThread(app) as srv:
         res = _concurrently(lambda i: post(srv.url + "/api/recognize",
                                            files={"image": ("x.png", png(40 + i, 30), "image/png")}), 6)
-        stats = json.loads(urllib.request.urlopen(srv.url + "/health").read())["workers"]["math"]
+        stats = json.loads(urllib.request.urlopen(srv.url + "/health").read())["workers"]["recognize"]
     assert [s for s, _ in res] == [200] * 6
     assert sorted(b["latex"] for _, b in res) == sorted(f"w {40 + i}" for i in range(6))  # each got its own answer
     assert sum(be.calls) == 6 and len(be.calls) < 6, be.calls
@@ -274,7 +275,7 @@ def test_concurrent_requests_share_forward_passes():
 
 def test_one_bad_input_does_not_fail_its_batch():
     be = SlowEcho(delay=0.2)
-    app = create_app(None, be, max_batch=4, max_wait_ms=100, serve_page=False)
+    app = create_app({"recognize": be}, max_batch=4, max_wait_ms=100, serve_page=False)
     with ServerThread(app) as srv:
         res = _concurrently(lambda i: post(srv.url + "/api/recognize",
                                            files={"image": ("x.png", png(77 if i == 1 else 50, 30), "image/png")}), 3)
@@ -285,7 +286,8 @@ def test_one_bad_input_does_not_fail_its_batch():
 
 def test_timeout_is_504_and_queue_full_is_503():
     be = SlowEcho(delay=1.0)
-    app = create_app(None, be, Limits(request_timeout_s=0.3, max_queue=1), max_batch=1, max_wait_ms=0, serve_page=False)
+    app = create_app({"recognize": be}, Limits(request_timeout_s=0.3, max_queue=1), max_batch=1, max_wait_ms=0,
+                     serve_page=False)
     with ServerThread(app) as srv:
         s, b = post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")})
         assert (s, b["error"]) == (504, "timeout")
@@ -332,7 +334,7 @@ def test_load_checkpoints_reports_trained_state(tmp_path, backends, monkeypatch)
     with pytest.raises(TellkitError, match="holds a 'bttr' model, not one for 'caption'"):
         CaptioningPipeline.load(tmp_path / "bttr")
     with pytest.raises(TellkitError, match="the caption endpoint serves a 'caption' model, not a 'recognize' one"):
-        create_app(rec, None, serve_page=False)
+        create_app({"caption": rec}, serve_page=False)
 
 
 def test_request_cannot_choose_a_checkpoint(client):
@@ -343,10 +345,10 @@ def test_request_cannot_choose_a_checkpoint(client):
 
 # --- the command line -------------------------------------------------------------------------------
 @pytest.mark.parametrize("argv, msg", [
-    (["--checkpoint", "weights=/tmp"], "caption=DIR or math=DIR"),
-    (["--checkpoint", "math=/tmp", "--checkpoint", "math=/tmp"], "given twice"),
-    (["--models", "math", "--checkpoint", "caption=/tmp"], "not in --models"),
-    (["--checkpoint", "math=/nonexistent/dir"], "not a directory"),
+    (["--checkpoint", "weights=/tmp"], "expected caption or recognize, got 'weights'"),
+    (["--checkpoint", "recognize=/tmp", "--checkpoint", "recognize=/tmp"], "given twice"),
+    (["--models", "recognize", "--checkpoint", "caption=/tmp"], "not in --models"),
+    (["--checkpoint", "recognize=/nonexistent/dir"], "not a directory"),
     (["--models", "video"], "--models"),
     (["--max-batch", "0"], "--max-batch"),
 ])
@@ -375,18 +377,20 @@ def test_cli_plan_checkpoints_defaults_and_untrained(tmp_path, monkeypatch):
     (tmp_path / "math_default" / "model.safetensors").write_bytes(b"")
     with pytest.raises(TellkitError, match="no caption checkpoint"):
         cmd_serve.plan(args())
-    assert cmd_serve.plan(args("--models", "math")) == {"math": str(tmp_path / "math_default")}
-    assert cmd_serve.plan(args("--untrained")) == {"caption": None, "math": None}
-    assert cmd_serve.plan(args("--untrained", "--checkpoint", f"math={tmp_path}")) == {"caption": None,
-                                                                                      "math": str(tmp_path)}
-    assert cmd_serve.plan(args("--checkpoint", f"caption={tmp_path}")) == {"caption": str(tmp_path),
-                                                                         "math": str(tmp_path / "math_default")}
+    assert cmd_serve.plan(args("--models", "recognize")) == {"recognize": str(tmp_path / "math_default")}
+    assert cmd_serve.plan(args("--untrained")) == {"caption": None, "recognize": None}
+    assert cmd_serve.plan(args("--untrained", "--checkpoint", f"recognize={tmp_path}")) == {
+        "caption": None, "recognize": str(tmp_path)}
+    assert cmd_serve.plan(args("--checkpoint", f"caption={tmp_path}")) == {
+        "caption": str(tmp_path), "recognize": str(tmp_path / "math_default")}
+    # the former name of the task, still read
+    assert cmd_serve.plan(args("--models", "math", "--model", f"math={tmp_path}")) == {"recognize": str(tmp_path)}
 
 
 def test_cli_serves_on_localhost_by_default():
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tellkit", "serve", "--untrained", "--models", "math",
+    proc = subprocess.Popen([sys.executable, "-m", "tellkit", "serve", "--untrained", "--models", "recognize",
                              "--port", str(port)],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
     try:
@@ -399,7 +403,7 @@ def test_cli_serves_on_localhost_by_default():
             except OSError:
                 time.sleep(0.3)
         assert health is not None, proc.stderr.read() if proc.poll() is not None else "no answer in 60 s"
-        assert health["models"]["caption"] is None and health["models"]["math"]["trained"] is False
+        assert health["models"]["caption"] is None and health["models"]["recognize"]["trained"] is False
         s, b = post(f"http://127.0.0.1:{port}/api/recognize", files={"image": ("e.png", expression_png(), "image/png")})
         assert s == 200 and b["latex"]
     finally:
@@ -418,7 +422,7 @@ def test_load_benchmark_counts_requests_errors_and_percentiles():
     assert _percentiles([0.1, 0.2, 0.3, 0.4]) == {"p50_ms": 200.0, "p90_ms": 400.0, "p99_ms": 400.0,
                                                   "max_ms": 400.0, "mean_ms": 250.0}
     photos, math = _inputs()
-    app = create_app(None, SlowEcho(delay=0.01), serve_page=False)  # no captioner: caption requests fail (503)
+    app = create_app({"recognize": SlowEcho(delay=0.01)}, serve_page=False)  # no captioner: caption requests fail (503)
     with ServerThread(app) as srv:
         res = load_once(srv.url, 6, 3, photos, math)
         assert res["requests"] == 6 and res["math"]["ok"] == 3 and res["caption"]["ok"] == 0
@@ -429,7 +433,7 @@ def test_load_benchmark_counts_requests_errors_and_percentiles():
 
 
 def test_large_images_are_shrunk_and_the_original_size_reported():
-    app = create_app(None, SlowEcho(delay=0.0), Limits(math_max_side=50), serve_page=False)
+    app = create_app({"recognize": SlowEcho(delay=0.0)}, Limits(math_max_side=50), serve_page=False)
     with TestClient(app) as c:
         r = c.post("/api/recognize", files={"image": ("x.png", png(100, 60), "image/png")})
         assert r.status_code == 200 and r.json()["latex"] == "w 50" and r.json()["resized_from"] == [100, 60]
@@ -438,7 +442,7 @@ def test_large_images_are_shrunk_and_the_original_size_reported():
 
 
 def test_admitted_requests_are_bounded():
-    app = create_app(None, SlowEcho(delay=0.5), Limits(max_inflight=2), max_batch=1, serve_page=False)
+    app = create_app({"recognize": SlowEcho(delay=0.5)}, Limits(max_inflight=2), max_batch=1, serve_page=False)
     with ServerThread(app) as srv:
         res = _concurrently(
             lambda i: post(srv.url + "/api/recognize", files={"image": ("x.png", png(), "image/png")}), 5)
@@ -494,5 +498,5 @@ def test_missing_katex_fails_clearly(tmp_path, monkeypatch):
         shutil.copy(app_module.STATIC_DIR / f, tmp_path / f)
     monkeypatch.setattr(app_module, "STATIC_DIR", tmp_path)
     with pytest.raises(TellkitError, match="katex.min.js.*make setup"):
-        create_app(None, None)
-    create_app(None, None, serve_page=False)  # the API alone does not need it
+        create_app({})
+    create_app({}, serve_page=False)  # the API alone does not need it

@@ -18,9 +18,10 @@ from PIL import Image
 pytest.importorskip("fastapi")
 pytest.importorskip("python_multipart")
 
+from tellkit.pipelines.recognition import recognition_cost  # noqa: E402
 from tellkit.server.app import create_app, parse_strokes  # noqa: E402
 from tellkit.server.batching import BatchWorker, MemoryBudget, QueueFull  # noqa: E402
-from tellkit.server.budget import PrepareOnce, recognition_cost  # noqa: E402
+from tellkit.server.budget import PrepareOnce  # noqa: E402
 from tellkit.server.limits import Limits, RequestError  # noqa: E402
 from tellkit.server.runner import ServerThread, encode_multipart, post  # noqa: E402
 
@@ -29,7 +30,7 @@ class Echo:
     """A math model that answers at once (or after ``delay`` s a batch)."""
 
     info = {"name": "stub-math", "trained": False, "checkpoint": None}
-    task = "recognize"
+    task, api_text = "recognize", "latex"
 
     def __init__(self, delay: float = 0.0):
         self.delay = delay
@@ -200,8 +201,11 @@ def test_a_search_costs_more_on_a_larger_grid_and_an_unprepared_input_costs_the_
     class Net:
         config = Cfg()
 
+    class Gen:
+        beam_size, max_len = 10, 200
+
     class Model:
-        beam_size, max_len, model = 10, 200, Net()
+        generation, model = Gen(), Net()
 
     small = recognition_cost(Model(), torch.zeros(1, 64, 96))
     noise = recognition_cost(Model(), torch.zeros(1, 576, 576))
@@ -263,7 +267,7 @@ def test_a_drawing_at_full_javascript_precision_fits_the_documented_limits():
 def server():
     limits = Limits(max_inflight=2, header_timeout_s=2.0, body_idle_timeout_s=3.0, body_grace_s=0.5,
                     min_body_rate=2_000, max_stroke_chars=30_000)
-    with ServerThread(create_app(None, Echo(), limits, serve_page=False)) as srv:
+    with ServerThread(create_app({"recognize": Echo()}, limits, serve_page=False)) as srv:
         yield srv
 
 
@@ -322,7 +326,7 @@ def test_slow_uploads_take_no_place_of_ready_requests_and_are_cut_by_the_minimum
 
 
 def test_busy_answers_carry_retry_after():
-    app = create_app(None, Echo(delay=1.0), Limits(max_inflight=1), max_batch=1, serve_page=False)
+    app = create_app({"recognize": Echo(delay=1.0)}, Limits(max_inflight=1), max_batch=1, serve_page=False)
     with ServerThread(app) as srv:
         first = threading.Thread(target=post, args=(srv.url + "/api/recognize",),
                                  kwargs={"files": {"image": ("a.png", png(), "image/png")}})

@@ -25,7 +25,7 @@ class StubCaptioner:
     """Echoes the article and the image size; ``delay`` seconds per batch."""
 
     info = {"name": "stub-caption", "trained": False, "checkpoint": None}
-    task = "caption"
+    task, api_text = "caption", "caption"
 
     def __init__(self, delay=0.0):
         self.delay = delay
@@ -39,7 +39,7 @@ class StubCaptioner:
 
 class StubRecognizer:
     info = {"name": "stub-math", "trained": False, "checkpoint": None}
-    task = "recognize"
+    task, api_text = "recognize", "latex"
 
     def __call__(self, images):
         return [{"text": f"w {im.width}", "tokens": ["w", str(im.width)], "score": 0.0} for im in images]
@@ -68,7 +68,7 @@ def send_all_then_read(url: str, path: str, body, headers: dict, timeout: float 
 
 @pytest.fixture()
 def server():
-    app = create_app(StubCaptioner(), StubRecognizer(),
+    app = create_app({"caption": StubCaptioner(), "recognize": StubRecognizer()},
                      Limits(max_upload_bytes=300_000, max_image_pixels=400_000, max_article_chars=2_000,
                             header_timeout_s=0.5, body_idle_timeout_s=0.5, body_timeout_s=1.5),
                      serve_page=False)
@@ -112,7 +112,7 @@ def test_every_limit_answers_its_json_error(server):
 
 def test_article_between_1_and_8_mib_is_413_article_too_long():
     """The form parser's own 1 MiB text-field cap used to answer 400 http_error."""
-    app = create_app(StubCaptioner(), None, Limits(), serve_page=False)  # default limits: 8 MiB body
+    app = create_app({"caption": StubCaptioner()}, Limits(), serve_page=False)  # default limits: 8 MiB body
     with ServerThread(app) as srv:
         for size in (1_200_000, 3_000_000):
             data, ctype = encode_multipart({"article": "a" * size}, {"image": ("a.png", png(), "image/png")})
@@ -125,7 +125,7 @@ def test_article_between_1_and_8_mib_is_413_article_too_long():
 
 
 def test_busy_answers_503_json_to_a_client_that_sends_everything_first():
-    app = create_app(StubCaptioner(delay=1.0), None, Limits(max_inflight=1), serve_page=False)
+    app = create_app({"caption": StubCaptioner(delay=1.0)}, Limits(max_inflight=1), serve_page=False)
     with ServerThread(app) as srv:
         first = threading.Thread(target=post, args=(srv.url + "/api/caption",),
                                  kwargs={"files": {"image": ("a.png", png(), "image/png")}})
@@ -264,7 +264,7 @@ def test_an_unexpected_failure_is_a_json_500(monkeypatch):
         raise RuntimeError("decoder exploded")
 
     monkeypatch.setattr(app_module, "decode_image", broken)
-    with ServerThread(create_app(None, StubRecognizer(), serve_page=False)) as srv:
+    with ServerThread(create_app({"recognize": StubRecognizer()}, serve_page=False)) as srv:
         s, b = post(srv.url + "/api/recognize", files={"image": ("a.png", png(), "image/png")})
     assert (s, b["error"]) == (500, "internal_error") and "RuntimeError" in b["detail"]
 

@@ -28,7 +28,7 @@ from tellkit.server.runner import serve
 
 class Caption:
     info = {"name": "stub-caption", "trained": False, "checkpoint": None}
-    task = "caption"
+    task, api_text = "caption", "caption"
 
     def __call__(self, items):
         return [{"text": "x", "tokens": [], "score": 0.0, "image_size": list(im.size),
@@ -38,13 +38,14 @@ class Caption:
 
 class Math:
     info = {"name": "stub-math", "trained": False, "checkpoint": None}
-    task = "recognize"
+    task, api_text = "recognize", "latex"
 
     def __call__(self, images):
         return [{"text": "x", "tokens": ["x"], "score": 0.0} for _ in images]
 
 
-serve(create_app(Caption(), Math(), Limits(), serve_page=False), "127.0.0.1", int(sys.argv[1]), log_level="warning")
+app = create_app({"caption": Caption(), "recognize": Math()}, Limits(), serve_page=False)
+serve(app, "127.0.0.1", int(sys.argv[1]), log_level="warning")
 """
 
 UPLOADS = 8
@@ -126,7 +127,7 @@ def test_sixteen_mixed_requests_on_a_hostile_checkpoint_stay_within_512_mib(tmp_
     url = f"http://127.0.0.1:{port}"
     try:
         health = wait_for_health(proc, url, 180, pause=0.3)
-        assert health["models"]["math"]["served_with"]["beam_size"] == 16
+        assert health["models"]["recognize"]["served_with"]["beam_size"] == 16
         requests = _mixed_requests()
         if not reset_peak(proc.pid):
             pytest.skip("this kernel does not allow resetting a process's peak memory (/proc/PID/clear_refs)")

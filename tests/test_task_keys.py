@@ -114,3 +114,34 @@ def test_training_a_recipe_with_a_former_name_stores_the_key(tmp_path, told, cap
     stored = json.loads((tmp_path / "run" / "checkpoints" / "best" / "config.json").read_text())
     assert stored["task"] == "recognize"
     assert told() == ["tellkit: the recipe's task: 'recognition' is deprecated, the task is now called 'recognize'"]
+
+
+def test_the_server_names_each_task_by_its_key(told):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from tellkit.pipelines.captioning import CaptioningPipeline
+    from tellkit.pipelines.recognition import RecognitionPipeline
+    from tellkit.server.app import create_app
+    from tellkit.server.backends import SERVED_TASKS
+
+    served = {"caption": CaptioningPipeline.untrained(), "recognize": RecognitionPipeline.untrained()}
+    assert set(SERVED_TASKS) == set(served) and set(SERVED_TASKS) <= set(TASK_KEYS)
+    app = create_app(served, serve_page=False)
+    routes = {r.path for r in app.routes if "POST" in getattr(r, "methods", ())}
+    assert routes == {f"/api/{task}" for task in SERVED_TASKS}
+    with TestClient(app) as client:
+        health = client.get("/health").json()
+    assert set(health["models"]) == set(health["workers"]) == set(SERVED_TASKS)
+    parser = argparse.ArgumentParser()
+    from tellkit.cli import cmd_serve
+
+    cmd_serve.add_arguments(parser)
+    assert parser.parse_args([]).models.split(",") == list(SERVED_TASKS)
+    assert told() == []
+    # the former name of the recognize endpoint, still read
+    old = create_app({"math": served["recognize"]}, serve_page=False)
+    assert old.state.models["recognize"] is not None and old.state.models["caption"] is None
+    assert told() == ["tellkit: create_app model 'math' is deprecated, the task is now called 'recognize'"]
+    with pytest.raises(tellkit.TellkitError, match="no endpoint for task 'summarize'"):
+        create_app({"summarize": None}, serve_page=False)

@@ -60,7 +60,7 @@ def server():
     from tellkit.server.backends import CaptioningPipeline, RecognitionPipeline
     from tellkit.server.runner import ServerThread
 
-    app = create_app(CaptioningPipeline.untrained(), RecognitionPipeline.untrained())
+    app = create_app({"caption": CaptioningPipeline.untrained(), "recognize": RecognitionPipeline.untrained()})
     with ServerThread(app) as srv:
         yield srv
 

@@ -59,10 +59,10 @@ def _default_models() -> list[str]:
     """Server arguments: each packaged default checkpoint that is installed, tiny untrained
     models (--untrained) for the others."""
     args: list[str] = []
-    for name, task in (("caption", "caption"), ("math", "recognize")):
+    for task in ("caption", "recognize"):
         path = packaged_default(task)
         if path is not None:
-            args += ["--checkpoint", f"{name}={path}"]
+            args += ["--model", f"{task}={path}"]
     if len(args) < 4:
         args.append("--untrained")
     return args

@@ -1,4 +1,4 @@
-"""`tellkit serve [--host 127.0.0.1] [--port 8000] [--model caption=DIR] [--model math=DIR] [--dtype bf16]`:
+"""`tellkit serve [--host 127.0.0.1] [--port 8000] [--model caption=DIR] [--model recognize=DIR] [--dtype bf16]`:
 the HTTP JSON API and the demo page (see docs/server.md)."""
 from __future__ import annotations
 
@@ -19,12 +19,12 @@ def add_arguments(p) -> None:
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", "--checkpoint", dest="checkpoint", action="append", default=[],
-                   metavar="ENDPOINT=DIR",
-                   help="checkpoint (or run folder) per endpoint: caption=DIR (a captioner), math=DIR (BTTR); "
-                        "repeatable. Only these (and the packaged defaults) are ever loaded; "
+                   metavar="TASK=DIR",
+                   help="checkpoint (or run folder) per task: caption=DIR (a captioner), recognize=DIR (BTTR, "
+                        "CoMER); repeatable. Only these (and the packaged defaults) are ever loaded; "
                         "clients cannot choose paths")
-    p.add_argument("--models", default="caption,math",
-                   help="which endpoints to serve: caption, math or both (default caption,math)")
+    p.add_argument("--models", default="caption,recognize",
+                   help="which tasks to serve: caption, recognize or both (default caption,recognize)")
     p.add_argument("--untrained", action="store_true",
                    help="serve tiny RANDOM models (outputs are noise) for the endpoints without --model: "
                         "try the page and API without trained models")
@@ -57,12 +57,24 @@ def add_arguments(p) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+def _task(name: str, where: str) -> str:
+    """A served task's key (a former name such as ``math`` is read with a deprecation message)."""
+    from tellkit.recipes import task_key  # heavy
+    from tellkit.server.backends import SERVED_TASKS  # heavy
+
+    key = task_key(name, where)
+    if key not in SERVED_TASKS:
+        raise TellkitError(f"{where}: expected {' or '.join(SERVED_TASKS)}, got '{name}'")
+    return key
+
+
 def parse_checkpoints(values: list[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for v in values:
         name, sep, path = v.partition("=")
-        if not sep or name not in ("caption", "math") or not path:
-            raise TellkitError(f"--model expects caption=DIR or math=DIR, got '{v}'")
+        if not sep or not path:
+            raise TellkitError(f"--model expects caption=DIR or recognize=DIR, got '{v}'")
+        name = _task(name, "--model")
         if name in out:
             raise TellkitError(f"--model {name}= given twice")
         out[name] = path
@@ -70,16 +82,17 @@ def parse_checkpoints(values: list[str]) -> dict[str, str]:
 
 
 def plan(args) -> dict[str, str | None]:
-    """Which model each served endpoint gets: a checkpoint folder, or None for a tiny random
-    model (``--untrained``, only for endpoints without ``--model``). Without ``--untrained``
-    an endpoint with no ``--model`` gets the packaged default, which must be installed."""
+    """Which model each served task gets: a checkpoint folder, or None for a tiny random model
+    (``--untrained``, only for tasks without ``--model``). Without ``--untrained`` a task with
+    no ``--model`` gets the packaged default, which must be installed."""
     from tellkit.recipes import PACKAGED_DEFAULTS, packaged_default  # heavy
-    from tellkit.server.backends import ENDPOINT_TASKS  # heavy
+    from tellkit.server.backends import SERVED_TASKS  # heavy
 
-    wanted = [m for m in ("caption", "math") if m in {x.strip() for x in args.models.split(",")}]
-    bad = {x.strip() for x in args.models.split(",") if x.strip()} - {"caption", "math"}
-    if bad or not wanted:
-        raise TellkitError(f"--models: expected caption, math or both, got '{args.models}'")
+    names = [x.strip() for x in args.models.split(",") if x.strip()]
+    if not names:
+        raise TellkitError(f"--models: expected {', '.join(SERVED_TASKS)} or both, got '{args.models}'")
+    asked = {_task(x, "--models") for x in names}
+    wanted = [m for m in SERVED_TASKS if m in asked]
     ckpts = parse_checkpoints(args.checkpoint)
     extra = set(ckpts) - set(wanted)
     if extra:
@@ -93,31 +106,20 @@ def plan(args) -> dict[str, str | None]:
             out[name] = ckpts[name]
         elif args.untrained:
             out[name] = None
-        elif packaged_default(ENDPOINT_TASKS[name]) is not None:
-            out[name] = str(packaged_default(ENDPOINT_TASKS[name]))
+        elif packaged_default(name) is not None:
+            out[name] = str(packaged_default(name))
         else:
-            raise TellkitError(f"no {name} checkpoint: the packaged default {PACKAGED_DEFAULTS[ENDPOINT_TASKS[name]]} "
-                               f"is not installed; "
-                               f"pass --model {name}=DIR, leave {name} out of --models, or add --untrained")
+            raise TellkitError(f"no {name} checkpoint: the packaged default {PACKAGED_DEFAULTS[name]} is not "
+                               f"installed; pass --model {name}=DIR, leave {name} out of --models, or add --untrained")
     return out
 
 
-def load_backends(args) -> tuple[object | None, object | None]:
-    """Load each requested model once, before the server starts (a failure stops start-up)."""
-    from tellkit.server.backends import CaptioningPipeline, RecognitionPipeline  # heavy
+def load_backends(args) -> dict[str, object]:
+    """``{task: pipeline}``: each requested model loaded once, before the server starts (a
+    failure stops start-up)."""
+    from tellkit.server.backends import load_served  # heavy
 
-    chosen = plan(args)
-    dtype = getattr(args, "dtype", None)
-    captioner = recognizer = None
-    if "caption" in chosen:
-        path = chosen["caption"]
-        captioner = (CaptioningPipeline.untrained(device=args.device) if path is None
-                     else CaptioningPipeline.load(path, device=args.device, dtype=dtype))
-    if "math" in chosen:
-        path = chosen["math"]
-        recognizer = (RecognitionPipeline.untrained(device=args.device) if path is None
-                      else RecognitionPipeline.load(path, device=args.device, dtype=dtype))
-    return captioner, recognizer
+    return load_served(plan(args), device=args.device, dtype=getattr(args, "dtype", None))
 
 
 LIMIT_FLAGS = {"max_upload_bytes": "--max-upload-mb", "max_image_pixels": "--max-image-pixels",
@@ -181,8 +183,8 @@ def run(args) -> int:
         import torch  # heavy
 
         torch.set_num_threads(args.threads)
-    captioner, recognizer = load_backends(args)
-    for name, b in (("caption", captioner), ("math", recognizer)):
+    models = load_backends(args)
+    for name, b in models.items():
         if b is not None:
             info = b.info
             state = "trained" if info.get("trained") else "UNTRAINED (outputs are noise)"
@@ -192,9 +194,9 @@ def run(args) -> int:
                 print(f"tellkit serve: {name}: note: {info['dtype_note']}", file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"tellkit serve: WARNING: binding {args.host}: reachable from other machines", file=sys.stderr)
-    app = create_app(captioner, recognizer, limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
+    app = create_app(models, limits, max_batch=args.max_batch, max_wait_ms=args.max_wait_ms,
                      serve_page=not args.api_only)
-    for name, b in (("caption", captioner), ("math", recognizer)):
+    for name, b in models.items():
         low = (b.info.get("served_with") or {}).get("lowered_from") if b is not None else None
         if low:
             now = b.info["served_with"]

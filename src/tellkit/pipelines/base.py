@@ -19,12 +19,20 @@ the same model on another runtime (its ONNX graphs under ONNX Runtime), chosen b
 
 ``info`` says which model runs (task, family, checkpoint, trained or not, parameters), on which
 device, in which dtype (and why not the one asked for), with which generation settings.
+
+What the server reads of a pipeline, so that it serves any task without knowing its name
+(:mod:`tellkit.server.app` takes ``{task: pipeline}``): :attr:`Pipeline.api_text` (the API's name
+for a result's text), :meth:`Pipeline.cost` (an input's working memory and work, for the server's
+memory budget and time estimates), :attr:`Pipeline.prepares_early` (whether the server prepares
+an input on its decoding threads first, because its cost depends on the prepared input) and
+:attr:`Pipeline.small_lane` (whether cheap inputs may run beside a batch of large ones).
 """
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,6 +49,15 @@ from tellkit.utils.precision import resolve_device
 log = logging.getLogger("tellkit")
 
 DTYPES = ("fp32", "bf16")  # what --dtype offers; tellkit.utils.precision also reads the long names
+FIXED_BYTES = 8 << 20  # an input's share of the working memory when nothing better is known
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one input costs the model that answers it (:meth:`Pipeline.cost`)."""
+
+    bytes: int    # estimated peak working memory of the input's share of a batch
+    work: float   # relative time (the server learns seconds per unit)
 
 
 def checkpoint_info(family: str, path: Path | str | None, meta: Mapping[str, Any],
@@ -73,6 +90,10 @@ class Pipeline:
     processor_class: ClassVar[type[Processor]] = Processor
     # options of Pipeline.load that configure the processor (the others are generation settings)
     processor_options: ClassVar[tuple[str, ...]] = ()
+    # serving (see the module docstring)
+    api_text: ClassVar[str] = "text"
+    prepares_early: ClassVar[bool] = False
+    small_lane: ClassVar[bool] = False
 
     def __init__(self, model, processor: Processor, generation: GenerationSettings, *,
                  info: Mapping[str, Any] | None = None, device: str | torch.device | None = None,
@@ -197,3 +218,9 @@ class Pipeline:
 
     def postprocess(self, outputs: Mapping[str, Any], batch: Mapping[str, Any], **options: Any) -> list[dict]:
         return self.processor.decode(outputs, batch, **options)
+
+    # --- serving -------------------------------------------------------------------------------
+    def cost(self, item: Any, prepared: Any = None) -> Cost:
+        """What answering ``item`` costs (``prepared``: the item as :meth:`prepare` made it, when
+        the server prepared it first); default: a fixed share and one unit of work."""
+        return Cost(FIXED_BYTES, 1.0)

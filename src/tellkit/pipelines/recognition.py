@@ -18,14 +18,23 @@ expression: a photo given to the formula reader), as the stored ``stop_runaways`
 in evaluation as here. Every answer says how sure it is (``confidence``, ``unsure``:
 :mod:`tellkit.decoding.confidence`); a runaway answer is always unsure.
 
+Served (``/api/recognize``), a result's text is ``latex``; an input is prepared (rendered or
+scaled for the model) on the server's decoding threads before it is queued, since the working set
+of its search follows from the prepared size (:func:`recognition_cost`), and small inputs (a
+drawing) may run beside a batch of large ones.
+
 Also names the project's own sample expression (``assets/samples/bttr_x2_plus_1.{inkml,png}``,
 hand-made pen strokes; the PNG is their rendering).
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 from tellkit.data.page_lines import split_page
 from tellkit.errors import TellkitError
-from tellkit.pipelines.base import Pipeline
+from tellkit.pipelines.base import FIXED_BYTES, Cost, Pipeline
 from tellkit.recipes import ASSETS
 from tellkit.registry import create_model
 from tellkit.tasks.processor import input_path, is_pil
@@ -33,11 +42,55 @@ from tellkit.tasks.recognition import MAX_INPUT_PIXELS, RecognitionGeneration, R
 from tellkit.utils.images import ImageError, check_image_path, open_image
 from tellkit.utils.precision import resolve_device
 
-__all__ = ["SAMPLE_INKML", "SAMPLE_LATEX", "SAMPLE_PATH", "RecognitionPipeline", "Strokes"]
+__all__ = ["SAMPLE_INKML", "SAMPLE_LATEX", "SAMPLE_PATH", "RecognitionPipeline", "Strokes", "recognition_cost"]
 
 SAMPLE_PATH = ASSETS / "samples" / "bttr_x2_plus_1.png"
 SAMPLE_INKML = ASSETS / "samples" / "bttr_x2_plus_1.inkml"
 SAMPLE_LATEX = "x ^ { 2 } + 1"
+
+# What one search costs. From the prepared image's size follow BTTR's encoder grid (one cell per
+# 16 x 16 pixels) and so the working set of its search: the grid's projected keys and values in
+# every decoder layer (one copy per image, shared by the beams of both directions, and again in
+# the rescoring pass), the self-attention cache of the 2 x beam decoder rows up to max_len tokens,
+# and the encoder's activations. Measured on the packaged BTTR (beam 10, d_model 256, 3 decoder
+# layers; a 300 x 300 noise PNG is prepared to 576 x 576, 1,296 cells): one search grows the
+# process's peak by 96 MiB, two in one batch by 188 MiB; the estimate is 141 MiB a search
+# (docs/server.md).
+GRID_STRIDE = 16            # BTTR's DenseNet encoder: one memory cell per 16 x 16 input pixels
+WORST_PIXELS = 576 * 576    # an input that was not prepared first: the renderer's cap, padded
+ENCODER_BYTES_PER_PIXEL = 240  # DenseNet activations at their peak (measured: 79 MiB for 576 x 576)
+KV_COPIES = 2               # the projected memory in the search and again in the rescoring pass
+CACHE_OVERHEAD = 1.5        # the self-attention cache and the copy made when beams are reordered
+
+
+def _pixels(prepared: Any) -> tuple[int, int] | None:
+    """(height, width) of a prepared input: a tensor [..., H, W] or a mapping holding one."""
+    if isinstance(prepared, Mapping):
+        prepared = prepared.get("image")
+    shape = getattr(prepared, "shape", None)
+    if shape is None or len(shape) < 2:
+        return None
+    return int(shape[-2]), int(shape[-1])
+
+
+def recognition_cost(model, prepared: Any = None) -> Cost:
+    """Bytes and work of one input's search by ``model`` (a pipeline: its network's ``config``
+    and its ``generation``), the worst case when ``prepared`` is None."""
+    hw = _pixels(prepared) if prepared is not None else None
+    pixels = hw[0] * hw[1] if hw else WORST_PIXELS
+    cells = (math.ceil(hw[0] / GRID_STRIDE) * math.ceil(hw[1] / GRID_STRIDE)) if hw else WORST_PIXELS // 256
+    cfg = getattr(getattr(model, "model", None), "config", None)
+    if cfg is None or not hasattr(cfg, "d_model"):  # not a BTTR-like search: its share only
+        return Cost(FIXED_BYTES, 1.0)
+    gen = getattr(model, "generation", None)
+    beam, length = int(getattr(gen, "beam_size", None) or 1), int(getattr(gen, "max_len", None) or 256)
+    d, layers = int(getattr(cfg, "d_model", 256)), int(getattr(cfg, "num_decoder_layers", 3))
+    rows = 2 * beam  # both directions
+    per_row = 2 * layers * d * 4  # keys and values, float32, every layer: per memory cell or past token
+    kv = KV_COPIES * cells * per_row  # one projected memory per image, shared by its rows
+    cache = CACHE_OVERHEAD * rows * length * per_row  # the self-attention cache at max_len
+    total = kv + cache + ENCODER_BYTES_PER_PIXEL * pixels + FIXED_BYTES
+    return Cost(int(total), float(rows * (cells + 64)))
 
 
 class RecognitionPipeline(Pipeline):
@@ -49,6 +102,12 @@ class RecognitionPipeline(Pipeline):
     families = ("bttr", "comer")
     processor_class = RecognitionProcessor
     processor_options = ("stroke_size",)
+    api_text = "latex"
+    prepares_early = True
+    small_lane = True
+
+    def cost(self, item, prepared=None) -> Cost:
+        return recognition_cost(self, prepared)
 
     def read_page(self, page, batch_size: int | None = None) -> list[dict]:
         """A page of several lines of handwriting (an image path or a PIL image) -> one answer per

@@ -30,6 +30,7 @@ class SummarizationPipeline(Pipeline):
     task = "summarize"
     families = FAMILIES
     processor_class = SummaryProcessor
+    api_text = "summary"
 
     @property
     def uses_video(self) -> bool:

@@ -1,4 +1,4 @@
-"""The HTTP JSON API and the demo page (FastAPI): ``create_app(captioner, recognizer, limits)``.
+"""The HTTP JSON API and the demo page (FastAPI): ``create_app({"caption": captioner, "recognize": reader}, limits)``.
 
     GET  /                 the page (static/index.html; KaTeX from static/vendor, no CDN)
     GET  /health           status, which models are served (checkpoint, trained or not), queues
@@ -27,6 +27,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,9 @@ from tellkit import __version__
 from tellkit.data.inkml import MAX_COORDINATE
 from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import Strokes
-from tellkit.server.backends import batch_function, bound_generation, public_info
+from tellkit.server.backends import batch_function, bound_generation, public_info, served_models
 from tellkit.server.batching import BatchWorker, MemoryBudget, PriorityPool, QueueFull
-from tellkit.server.budget import Cost, PrepareOnce, caption_cost, preparer, reads_faces, recognition_cost
+from tellkit.server.budget import FIXED_BYTES, Cost, PrepareOnce, preparer
 from tellkit.server.limits import Limits, RequestError, check_article, check_framing, decode_image, multipart_boundary
 from tellkit.server.samples import sample_file, sample_index
 from tellkit.utils.optional import require
@@ -327,10 +328,10 @@ class _RequestGuard:
             await _send_error(send, body.refusal)
 
 
-def create_app(captioner=None, recognizer=None, limits: Limits | None = None, max_batch: int = 8,
+def create_app(models: Mapping[str, Any] | None = None, limits: Limits | None = None, max_batch: int = 8,
                max_wait_ms: float = 10.0, serve_page: bool = True):
-    """Build the app around already-loaded backends (see :mod:`tellkit.server.backends`).
-    ``captioner`` / ``recognizer`` may be None: their endpoint then answers 503 and /health says so.
+    """Build the app around already-loaded pipelines, ``{task: pipeline}`` (see
+    :mod:`tellkit.server.backends`); a task left out (or None) answers 503 and /health says so.
     The parts: :class:`_RequestGuard` (limits before the app), :func:`add_error_handlers`,
     :class:`ModelRunner` and :class:`ImageReader` (the work of a request), :func:`response_models`
     (the schemas) and :func:`add_routes`."""
@@ -342,15 +343,17 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
         check_static()
     workers: dict[str, BatchWorker] = {}
     costs: dict[str, InputCost] = {}
-    budget = MemoryBudget(limits.memory_budget_bytes)  # shared: the batches of both models together
-    for name, backend in (("caption", captioner), ("math", recognizer)):
+    budget = MemoryBudget(limits.memory_budget_bytes)  # shared: the batches of every model together
+    served = served_models(models)
+    for name, backend in served.items():
         if backend is not None:  # the search bounded, and fewer images per pass for a wide beam
             batch = max(1, min(max_batch, limits.max_search_rows // bound_generation(backend, limits)))
-            small = limits.memory_budget_bytes // 4 if name == "math" else None  # drawings beside a large input
-            workers[name] = BatchWorker(name, _batch_fn(name, backend), batch, max_wait_ms / 1000,
+            # cheap inputs (drawings) may run beside a large one
+            small = limits.memory_budget_bytes // 4 if getattr(backend, "small_lane", False) else None
+            workers[name] = BatchWorker(name, batch_function(name, backend), batch, max_wait_ms / 1000,
                                         limits.max_queue, budget=budget, small_lane_bytes=small)
-            costs[name] = InputCost(name, backend)
-    models = {"caption": public_info(captioner), "math": public_info(recognizer)}
+            costs[name] = InputCost(backend)
+    models = {name: public_info(backend) for name, backend in served.items()}
     reader = ImageReader(limits)
 
     @contextlib.asynccontextmanager
@@ -375,28 +378,21 @@ def create_app(captioner=None, recognizer=None, limits: Limits | None = None, ma
     return app
 
 
-def _batch_fn(name: str, backend):
-    """What the endpoint's worker calls with a batch of items."""
-    return batch_function(name, backend)
-
-
 class InputCost:
-    """What one request's item costs its model (:mod:`tellkit.server.budget`), worked out on the
-    decoding threads before the item is queued: a math input is prepared there (rendered or
-    scaled for the model, once: the pipeline reuses the result), so its search's working set
-    is known; a caption input is costed by its image size."""
+    """What one request's item costs its model (:meth:`tellkit.pipelines.base.Pipeline.cost`),
+    worked out on the decoding threads before the item is queued: the input of a model that
+    ``prepares_early`` is prepared there (once: the pipeline reuses the result), so the cost can
+    follow from the prepared input."""
 
-    def __init__(self, name: str, backend):
-        self.name, self.backend = name, backend
-        owner = preparer(backend) if name == "math" else None
+    def __init__(self, backend):
+        self.backend = backend
+        owner = preparer(backend) if getattr(backend, "prepares_early", False) else None
         self.prepare = PrepareOnce(owner) if owner is not None else None
-        self.faces = reads_faces(backend)
+        self.cost = getattr(backend, "cost", None)
 
     def __call__(self, item) -> Cost:
-        if self.name == "caption":
-            return caption_cost(item[0] if isinstance(item, tuple) else item, self.faces)
         prepared = self.prepare.early(item) if self.prepare is not None else None
-        return recognition_cost(self.backend, prepared)
+        return self.cost(item, prepared) if self.cost is not None else Cost(FIXED_BYTES, 1.0)
 
 
 def add_error_handlers(app, limits: Limits) -> None:
@@ -447,9 +443,8 @@ class ModelRunner:
     def worker(self, name: str) -> BatchWorker:
         worker = self.workers.get(name)
         if worker is None:
-            what = "captioning" if name == "caption" else "math recognition"
-            raise RequestError(503, "model_not_loaded", f"no {what} model is loaded on this server "
-                               f"(start it with --checkpoint {name}=DIR or --untrained)")
+            raise RequestError(503, "model_not_loaded", f"no {name} model is loaded on this server "
+                               f"(start it with --model {name}=DIR or --untrained)")
         return worker
 
     async def cost(self, name: str, item: Any, reader: "ImageReader") -> Cost:
@@ -618,9 +613,9 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
             item, original = await reader.call(parse_strokes, strokes, limits, pixels=len(strokes) // 4), None
         else:
             item, original = await reader.read(image, limits.math_max_side)
-        cost = await runner.cost("math", item, reader)
-        res = await runner.run("math", item, t0, cost)
-        return {**res, "resized_from": original, "model": models["math"],
+        cost = await runner.cost("recognize", item, reader)
+        res = await runner.run("recognize", item, t0, cost)
+        return {**res, "resized_from": original, "model": models["recognize"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
     if serve_page:

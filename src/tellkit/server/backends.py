@@ -1,46 +1,73 @@
 """The models the server runs, and how each endpoint calls its model. A served model is an
 inference pipeline (:class:`tellkit.pipelines.base.Pipeline`), the one ``tellkit caption`` and
-``tellkit recognize`` run; the server only does HTTP. What the server reads of a model:
+``tellkit recognize`` run, given as ``{task: pipeline}``; the server only does HTTP and never
+branches on a task's name. What the server reads of a model:
 
-- ``task``: which endpoint it serves (``caption`` for ``/api/caption``, ``recognize`` for
-  ``/api/recognize``); an endpoint refuses a model of another task;
+- ``task``: the task key (``caption``, ``recognize``) whose endpoint it serves (``/api/<task>``);
+  an endpoint refuses a model of another task;
 - ``model(items) -> [result, ...]``: one result per request (``{"text": ..., extras}``); the
-  caption endpoint's items are ``(PIL image, article text)`` pairs, the math endpoint's PIL
+  caption endpoint's items are ``(PIL image, article text)`` pairs, the recognize endpoint's PIL
   images or :class:`~tellkit.pipelines.recognition.Strokes`;
+- ``api_text``: the API's name for a result's text (``caption``, ``latex``);
+- ``cost(item, prepared)``, ``prepares_early``, ``small_lane``: what an input costs and how the
+  server schedules it (:mod:`tellkit.pipelines.base`); a model without ``cost`` costs a fixed share;
 - ``info``: which model it serves, from which checkpoint, and whether it was trained
   (``trained: false`` for the tiny random models of ``--untrained``);
-- ``generation``: its search settings, bounded by the server's limits (:func:`bound_generation`).
+- ``generation``: its search settings (runaway stop included), bounded by the server's limits
+  (:func:`bound_generation`).
 
-The API names a result's text by what it is: ``caption`` and ``latex``. Checkpoints are only
-ever opened from paths given at start-up (``tellkit serve --model``), never from a request.
+Checkpoints are only ever opened from paths given at start-up (``tellkit serve --model``), never
+from a request.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from tellkit.errors import TellkitError
+from tellkit.pipelines import pipeline_class
 from tellkit.pipelines.captioning import CAPTION_FAMILIES, CaptioningPipeline, article_input
 from tellkit.pipelines.recognition import RecognitionPipeline
-from tellkit.recipes import PACKAGED_DEFAULTS
+from tellkit.recipes import PACKAGED_DEFAULTS, task_key
 
-__all__ = ["CAPTION_FAMILIES", "ENDPOINT_TASKS", "CaptioningPipeline", "RecognitionPipeline", "article_input",
-           "batch_function", "bound_generation", "checkpoint_name", "public_info"]
+__all__ = ["CAPTION_FAMILIES", "SERVED_TASKS", "CaptioningPipeline", "RecognitionPipeline", "article_input",
+           "batch_function", "bound_generation", "checkpoint_name", "load_served", "public_info", "served_models"]
 
-# endpoint (``--models``, /health) -> the task of the model it serves
-ENDPOINT_TASKS = {"caption": "caption", "math": "recognize"}
-# task -> the API's name for a result's text
-API_TEXT = {"caption": "caption", "recognize": "latex"}
+# the tasks the server has an endpoint for (``/api/<task>``, ``--models``, /health)
+SERVED_TASKS = ("caption", "recognize")
 
 
-def batch_function(endpoint: str, model) -> Callable[[list[Any]], list[dict[str, Any]]]:
+def served_models(models: Mapping[str, Any] | None, where: str = "create_app") -> dict[str, Any]:
+    """``{task: model or None}`` for every served task, from ``models`` keyed by task (a former
+    name such as ``math`` is read with a deprecation message); a model of another task, or a
+    task the server has no endpoint for, is a one-line error."""
+    out: dict[str, Any] = dict.fromkeys(SERVED_TASKS)
+    for name, model in (models or {}).items():
+        key = task_key(name, f"{where} model")
+        if key not in SERVED_TASKS:
+            raise TellkitError(f"{where}: no endpoint for task '{name}'; the server serves {', '.join(SERVED_TASKS)}")
+        if model is not None and getattr(model, "task", key) != key:
+            raise TellkitError(f"the {key} endpoint serves a '{key}' model, not a '{model.task}' one")
+        out[key] = model
+    return out
+
+
+def load_served(chosen: Mapping[str, str | None], device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
+    """``{task: checkpoint folder, or None for the task's tiny random model}`` -> ``{task: pipeline}``."""
+    out = {}
+    for task, path in chosen.items():
+        cls = pipeline_class(task)
+        out[task] = cls.untrained(device=device) if path is None else cls.load(path, device=device, dtype=dtype)
+    return out
+
+
+def batch_function(task: str, model) -> Callable[[list[Any]], list[dict[str, Any]]]:
     """What the endpoint's batching worker calls with a list of requests' items: the model,
-    its results under the API's names."""
-    task = ENDPOINT_TASKS[endpoint]
+    its results with the text under the API's name (``model.api_text``)."""
     if model.task != task:
-        raise TellkitError(f"the {endpoint} endpoint serves a '{task}' model, not a '{model.task}' one")
-    key = API_TEXT[task]
+        raise TellkitError(f"the {task} endpoint serves a '{task}' model, not a '{model.task}' one")
+    key = getattr(model, "api_text", "text")
 
     def run(items: list[Any]) -> list[dict[str, Any]]:
         return [{key: r["text"], **{k: v for k, v in r.items() if k != "text"}} for r in model(items)]

@@ -79,9 +79,9 @@ def math_samples() -> list[dict[str, Any]]:
 
 
 def sample_index() -> dict[str, Any]:
-    """What ``GET /api/samples`` answers: ``caption`` (:func:`caption_samples`) and ``math``
-    (:func:`math_samples`)."""
-    return {"caption": caption_samples(), "math": math_samples()}
+    """What ``GET /api/samples`` answers, by task: ``caption`` (:func:`caption_samples`) and
+    ``recognize`` (:func:`math_samples`)."""
+    return {"caption": caption_samples(), "recognize": math_samples()}
 
 
 def sample_file(name: str) -> tuple[Path, str] | None:

@@ -69,8 +69,8 @@ async function checkHealth() {
   try {
     const r = await fetch("/health");
     const h = await r.json();
-    const c = h.models.caption, m = h.models.math;
-    st.textContent = `caption: ${describeModel(c)} | math: ${describeModel(m)}`;
+    const c = h.models.caption, m = h.models.recognize;
+    st.textContent = `caption: ${describeModel(c)} | recognize: ${describeModel(m)}`;
     st.className = "status" + ([c, m].some((x) => x && !x.trained) ? " untrained" : "");
     const lim = h.limits || {};
     state.maxFieldChars = lim.max_stroke_chars || lim.max_article_chars || state.maxFieldChars;
@@ -470,7 +470,7 @@ async function loadSamples() {
     strip.appendChild(group);
   }
   strip.hidden = !photos.length;
-  const formulas = index.math || [];
+  const formulas = index.recognize || [];
   formulas.forEach((m) => $("math-samples").appendChild(formulaButton(m)));
   $("math-samples").hidden = !formulas.length;
 }

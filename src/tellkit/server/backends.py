@@ -53,7 +53,8 @@ def served_models(models: Mapping[str, Any] | None, where: str = "create_app") -
     return out
 
 
-def load_served(chosen: Mapping[str, str | None], device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
+def load_served(chosen: Mapping[str, str | None], device: str | None = None,
+                dtype: str | None = None) -> dict[str, Any]:
     """``{task: checkpoint folder, or None for the task's tiny random model}`` -> ``{task: pipeline}``."""
     out = {}
     for task, path in chosen.items():

@@ -102,6 +102,23 @@ def add_model_arguments(p, default_help: str, dtype: bool = True) -> None:
                    help="inputs per batch (default: the checkpoint's evaluation batch size)")
 
 
+def add_encoder_argument(p) -> None:
+    p.add_argument("--encoder", action="append", default=[], metavar="KEY=VALUE",
+                   help="replace a key of the checkpoint's encoders section, e.g. article=DIR (a local RoBERTa-large "
+                        "folder), image_weights=FILE, face_weights=FILE (repeatable)")
+
+
+def encoder_overrides(values: list[str]) -> dict[str, str]:
+    """``--encoder KEY=VALUE`` flags -> {key: value} (the encoders section refuses unknown keys)."""
+    out: dict[str, str] = {}
+    for v in values:
+        key, sep, value = v.partition("=")
+        if not sep or not key.strip() or not value.strip() or "." in key:
+            raise TellkitError(f"--encoder expects KEY=VALUE (e.g. article=DIR), got '{v}'")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def add_dtype_argument(p) -> None:
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="bf16: search in bfloat16 autocast where the device computes it natively (float32 "

@@ -1,11 +1,13 @@
-"""`tellkit caption IMAGE... [--article TXT] [--model DIR] [--json]`: caption photos.
+"""`tellkit caption IMAGE... [--article TXT] [--model DIR] [--encoder KEY=VALUE] [--json]`: caption photos.
 
 Inputs are image files, folders (every image in them, by name) or glob patterns, read in
 batches through :class:`tellkit.pipelines.captioning.CaptioningPipeline` (the processor and
 search ``tellkit evaluate`` runs). Without ``--model`` the packaged default model is used; any
 captioning checkpoint works (Transform and Tell, Show and Tell, Show-Attend-and-Tell, the LSTM
 captioner). Decoding follows the checkpoint's generation settings (its recipe's ``eval:``
-section) unless ``--beam-size`` / ``--max-len`` say otherwise. One input prints its caption
+section) unless ``--beam-size`` / ``--max-len`` say otherwise. ``--encoder KEY=VALUE`` replaces a key
+of the checkpoint's ``encoders:`` section (``article=DIR``: a local RoBERTa-large for a converted
+official checkpoint; ``face_weights=FILE``, ``image_weights=FILE``). One input prints its caption
 (and, on standard error, how sure the model is), several print ``PATH<TAB>caption<TAB>CONFIDENCE``
 lines (:mod:`tellkit.cli.answers`); ``--json`` prints one JSON object per input: the caption
 (``text``), its score, ``confidence`` and ``unsure``, the detected faces and, for every generated token, its attention
@@ -24,7 +26,15 @@ import argparse
 import json
 import sys
 
-from tellkit.cli import IMAGE_SUFFIXES, add_model_arguments, add_runtime_argument, expand_inputs, note_dtype
+from tellkit.cli import (
+    IMAGE_SUFFIXES,
+    add_encoder_argument,
+    add_model_arguments,
+    add_runtime_argument,
+    encoder_overrides,
+    expand_inputs,
+    note_dtype,
+)
 from tellkit.cli.answers import print_plain
 from tellkit.errors import TellkitError
 
@@ -40,6 +50,7 @@ def add_arguments(p) -> None:
     p.add_argument("--article", help="a UTF-8 text file with the article (title and paragraphs); one image only")
     add_model_arguments(p, "the packaged default captioner")
     add_runtime_argument(p)
+    add_encoder_argument(p)
     p.add_argument("--json", action="store_true",
                    help="one JSON object per image: caption (text), score, confidence, unsure, faces, "
                         "per-token attention")
@@ -64,6 +75,7 @@ def run(args) -> int:
     if (args.beam_size is not None and args.beam_size < 1) or (args.max_len is not None and args.max_len < 1):
         raise TellkitError("--beam-size and --max-len must be at least 1")
     paths = expand_inputs([*args.inputs, *args.image], IMAGE_SUFFIXES, "images")
+    encoders = encoder_overrides(args.encoder)
     article = read_article(args.article) if args.article else ""
     if args.article and len(paths) > 1:
         raise TellkitError("--article goes with one image; caption the others without it")
@@ -74,7 +86,7 @@ def run(args) -> int:
     from tellkit.pipelines.captioning import CaptioningPipeline  # heavy
 
     pipe = CaptioningPipeline.load(args.model, device=args.device, dtype=args.dtype, runtime=args.runtime,
-                                   beam_size=args.beam_size, max_len=args.max_len)
+                                   beam_size=args.beam_size, max_len=args.max_len, encoders=encoders)
     note_dtype(NAME, pipe.info)
     for k, chunk in enumerate(chunks):
         if k:

@@ -6,7 +6,7 @@ import math
 import sys
 from pathlib import Path
 
-from tellkit.cli import add_dtype_argument
+from tellkit.cli import add_dtype_argument, add_encoder_argument, encoder_overrides
 from tellkit.errors import TellkitError
 from tellkit.utils.memory import limit_arenas
 
@@ -54,6 +54,7 @@ def add_arguments(p) -> None:
                    "an input larger than this runs alone (default 384)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--api-only", action="store_true", help="serve the API without the page")
+    add_encoder_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -119,7 +120,9 @@ def load_backends(args) -> dict[str, object]:
     failure stops start-up)."""
     from tellkit.server.backends import load_served  # heavy
 
-    return load_served(plan(args), device=args.device, dtype=getattr(args, "dtype", None))
+    encoders = encoder_overrides(getattr(args, "encoder", []))
+    return load_served(plan(args), device=args.device, dtype=getattr(args, "dtype", None),
+                       options={"caption": {"encoders": encoders}} if encoders else None)
 
 
 LIMIT_FLAGS = {"max_upload_bytes": "--max-upload-mb", "max_image_pixels": "--max-image-pixels",

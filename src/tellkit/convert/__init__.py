@@ -106,6 +106,8 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: s
         write_tensor_files(out, files)
         if section:
             extra["encoders"] = section
+    if hasattr(converter(family), "recipe_sections"):  # what the model runs with: task, encoders, data, eval
+        extra.update(converter(family).recipe_sections(config, extra.get("encoders", {}), **options))
     save_model(model, out, extra=extra)
     return out
 

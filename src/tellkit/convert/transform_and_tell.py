@@ -65,6 +65,42 @@ def encoder_files(state: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[
     return {"image": name, "image_weights": IMAGE_ENCODER_FILE}, {IMAGE_ENCODER_FILE: tensors}
 
 
+# the paper recipes a converted checkpoint may take its sections from (-o recipe=NAME)
+RECIPES = ("tat/nytimes_faces", "tat/nytimes_full", "tat/goodnews")
+# the reference's article encoders by width (the checkpoint records only the width and layer count)
+ARTICLE_ENCODERS = {1024: "roberta-large", 768: "roberta-base"}
+
+
+def _recipe_name(recipe: str, contexts: list[str]) -> str:
+    if recipe and recipe not in RECIPES:
+        raise TellkitError(f"-o recipe={recipe}: not a Transform and Tell paper recipe ({', '.join(RECIPES)})")
+    return recipe or ("tat/nytimes_full" if "objects" in contexts else "tat/nytimes_faces")
+
+
+def recipe_sections(config: dict[str, Any], carried: dict[str, Any], recipe: str = "", **_: Any) -> dict[str, Any]:
+    """The sections a converted model runs with, those of the paper recipe it was trained with
+    (``recipe``; by default ``tat/nytimes_full`` for a model that reads objects, else
+    ``tat/nytimes_faces``): ``task``, ``encoders`` (the encoders as the reference ran them:
+    RoBERTa by hub name, ResNet-152, MTCNN + FaceNet VGGFace2, YOLOv3 objects; ``carried``, the
+    encoder files the checkpoint holds, win), ``data`` (the article context) and ``eval`` (greedy,
+    100 steps); ``train`` too, for fine-tuning. ``model`` is the converted config itself."""
+    from tellkit.config import load_yaml, resolve_config_path  # heavy
+
+    name = _recipe_name(recipe, list(config.get("contexts", [])))
+    sections = {k: v for k, v in load_yaml(resolve_config_path(name)).items() if k not in ("model", "base")}
+    encoders = dict(sections.get("encoders") or {})
+    article = ARTICLE_ENCODERS.get(int(config.get("article_dim", 0)))
+    if article is not None:
+        encoders["article"] = article
+    else:  # not a RoBERTa width: the user names the encoder (encoders.article=...)
+        encoders.pop("article", None)
+    if "objects" in config.get("contexts", []):
+        encoders["objects"] = "yolov3"
+    sections["encoders"] = {**encoders, **carried}
+    sections["converted_recipe"] = name
+    return sections
+
+
 def matches(state: dict[str, torch.Tensor]) -> bool:
     return f"{_EMB}.0.0.weight" in state and any(k.startswith("decoder.layers.0.context_attns.") for k in state)
 
@@ -95,12 +131,16 @@ def _copy(state, used, src: str, dst: str, out: dict, names=("weight", "bias")) 
             out[f"{dst}.{n}"] = _take(state, used, f"{src}.{n}")
 
 
-def convert(state: dict[str, torch.Tensor], num_heads: int = 16, **options: Any) -> tuple[dict, dict]:
+def convert(state: dict[str, torch.Tensor], num_heads: int = 16, recipe: str = "",
+            **options: Any) -> tuple[dict, dict]:
     """-> (TransformAndTellConfig fields, tellkit state dict). ``num_heads``: attention / conv
-    heads (not recorded in the weights; the reference used 16)."""
+    heads (not recorded in the weights; the reference used 16). ``recipe``: the paper recipe whose
+    task, encoders, data and generation sections the converted folder records (see
+    :func:`recipe_sections`)."""
     if options:
         raise TellkitError(f"unknown option(s) for the Transform and Tell converter: {', '.join(options)} "
-                           "(known: num_heads)")
+                           "(known: num_heads, recipe)")
+    _recipe_name(recipe, [])
     if not matches(state):
         raise TellkitError("not a Transform and Tell reference checkpoint (no adaptive embedder / context attention)")
     num_heads = int(num_heads)

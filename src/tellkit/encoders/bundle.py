@@ -29,6 +29,9 @@ from tellkit.encoders.context import build_context
 from tellkit.encoders.faces import FaceEncoder
 from tellkit.encoders.image import build_image_encoder
 from tellkit.encoders.preprocess import load_image
+from tellkit.encoders.sources import SOURCES, how_to_pass
+from tellkit.encoders.sources import what as network
+from tellkit.encoders.static_vectors import is_static_spec
 from tellkit.encoders.text import build_article_encoder
 from tellkit.errors import TellkitError
 from tellkit.recipes import (
@@ -178,16 +181,36 @@ class EncoderBundle:
     def image_encoder(self):
 
         c = self.config
-        return self._shared(("image", c.image, c.image_weights, c.image_fit, c.mode), lambda: self._follow(
-            build_image_encoder(c.image, c.image_weights, c.image_fit).to(self.device)))
+
+        def build():
+            try:
+                enc = build_image_encoder(c.image, c.image_weights, c.image_fit)
+            except TellkitError as exc:
+                if c.image_weights is not None and c.image not in SOURCES:
+                    raise
+                raise TellkitError(f"{network(c.image, 'the image encoder')} cannot be loaded ({exc}); "
+                                   f"{how_to_pass(c.image, 'image_weights')}") from None
+            return self._follow(enc.to(self.device))
+
+        return self._shared(("image", c.image, c.image_weights, c.image_fit, c.mode), build)
 
     @functools.cached_property
     def article_encoder(self):
         """A Hugging Face encoder, or a static word-vector table (``static``, ``glove:PATH``)."""
 
         spec = None if self.config.article_is_packaged else self.config.article
-        return self._shared(("article", spec, self.config.mode),
-                            lambda: self._follow(build_article_encoder(spec).to(self.device)))
+
+        def build():
+            try:
+                enc = build_article_encoder(spec)
+            except TellkitError as exc:
+                if spec is None or is_static_spec(spec):
+                    raise
+                raise TellkitError(f"{network(spec, 'the article encoder')} cannot be loaded ({exc}); "
+                                   f"{how_to_pass(spec, 'article', 'DIR')}") from None
+            return self._follow(enc.to(self.device))
+
+        return self._shared(("article", spec, self.config.mode), build)
 
     def to(self, device: str | torch.device) -> EncoderBundle:
         """Build the encoders on ``device`` from now on, and move those already built there."""
@@ -221,8 +244,9 @@ class EncoderBundle:
 
         c = self.config
         if c.faces not in (DEFAULT_FACE_ENCODER, None) and c.face_weights is None:
-            raise TellkitError(f"encoders.faces={c.faces!r} needs encoders.face_weights (a file); "
-                               f"the offline default is {DEFAULT_FACE_ENCODER}")
+            raise TellkitError(f"{network(c.faces, 'the face encoder')} weights are needed (encoders.faces="
+                               f"{c.faces!r} without encoders.face_weights; the offline default is "
+                               f"{DEFAULT_FACE_ENCODER}): {how_to_pass(c.faces, 'face_weights')}")
         kw = {"standardization": c.face_standardization} if c.face_standardization else {}
         return self._shared(
             ("faces", c.face_weights, c.max_faces, c.face_standardization),
@@ -231,6 +255,7 @@ class EncoderBundle:
     def check_model(self, model_config) -> None:
         """Refuse a model whose context sizes differ from what these encoders give."""
         cfg = model_config
+        self.check_reachable()
         img = self.image_encoder if "image" in self.contexts else None
         if img is not None and img.out_dim != cfg.image_dim:
             raise TellkitError(f"image encoder {img.name} gives {img.out_dim}-d features; "
@@ -241,8 +266,19 @@ class EncoderBundle:
             if enc.dim != cfg.article_dim or (layers > 1 and enc.num_layers != layers):
                 raise TellkitError(f"article encoder {enc.name} gives {enc.num_layers} x {enc.dim}; "
                                    f"the model expects {layers} x {cfg.article_dim}")
-        if "faces" in self.contexts:
-            self.face_encoder  # noqa: B018 - build now: a missing face model fails at start-up
+
+    def check_reachable(self) -> None:
+        """Build every encoder of the contexts now: each one whose weights cannot be reached (no
+        file, hub unreachable) is named, with its source and how to pass a local copy, in one line."""
+        missing = []
+        for context, attr in (("image", "image_encoder"), ("article", "article_encoder"), ("faces", "face_encoder")):
+            if context in self.contexts:
+                try:
+                    getattr(self, attr)
+                except TellkitError as exc:
+                    missing.append(str(exc))
+        if missing:
+            raise TellkitError(" | ".join(missing))
 
     # -- article context ------------------------------------------------------------------------
     @property

@@ -25,6 +25,7 @@ shrunk) photo and, for a model that reads faces, face detection's image pyramid
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from tellkit.pipelines.base import Cost, Pipeline
@@ -66,6 +67,9 @@ class CaptioningPipeline(Pipeline):
     families = CAPTION_FAMILIES
     processor_class = CaptionProcessor
     api_text = "caption"
+    # ``encoders={"article": DIR, "face_weights": FILE}``: keys of the checkpoint's encoders
+    # section replaced (local copies of weights a converted or paper-size model names)
+    processor_options = ("encoders",)
 
     def __init__(self, model, processor: CaptionProcessor, generation: CaptionGeneration | None = None, **kw: Any):
         processor.check(model, generation)
@@ -83,10 +87,16 @@ class CaptioningPipeline(Pipeline):
         return super().load(model, device, dtype, **options)  # type: ignore[return-value]
 
     @classmethod
-    def build_processor(cls, meta, path, device, **options: Any) -> CaptionProcessor:
-        """Inference bundles share their built encoders and bound face detection."""
-        return CaptionProcessor.from_checkpoint(meta, path, device=device, shared_encoders=_SHARED,
-                                                face_max_side=FACE_DETECT_MAX_SIDE, **options)
+    def build_processor(cls, meta, path, device, encoders: Mapping[str, Any] | None = None,
+                        **options: Any) -> CaptionProcessor:
+        """Inference bundles share their built encoders and bound face detection; ``encoders``
+        replaces keys of the checkpoint's encoders section."""
+        if encoders:
+            meta = {**meta, "encoders": {**(meta.get("encoders") or {}), **encoders}}
+        processor = CaptionProcessor.from_checkpoint(meta, path, device=device, shared_encoders=_SHARED,
+                                                     face_max_side=FACE_DETECT_MAX_SIDE, **options)
+        processor.bundle.check_reachable()  # a missing encoder is named before the model loads
+        return processor
 
     @property
     def reads_articles(self) -> bool:

@@ -54,12 +54,16 @@ def served_models(models: Mapping[str, Any] | None, where: str = "create_app") -
 
 
 def load_served(chosen: Mapping[str, str | None], device: str | None = None,
-                dtype: str | None = None) -> dict[str, Any]:
-    """``{task: checkpoint folder, or None for the task's tiny random model}`` -> ``{task: pipeline}``."""
+                dtype: str | None = None, options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """``{task: checkpoint folder, or None for the task's tiny random model}`` -> ``{task: pipeline}``;
+    ``options``: per task, more keyword arguments of its pipeline's ``load`` (the captioner's
+    ``encoders``: local copies of the weights its checkpoint names)."""
     out = {}
     for task, path in chosen.items():
         cls = pipeline_class(task)
-        out[task] = cls.untrained(device=device) if path is None else cls.load(path, device=device, dtype=dtype)
+        extra = dict((options or {}).get(task) or {})
+        out[task] = (cls.untrained(device=device) if path is None
+                     else cls.load(path, device=device, dtype=dtype, **extra))
     return out
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from tellkit.checkpoint import IMAGE_ENCODER_FILE
+from tellkit.config import load_yaml, resolve_config_path
 from tellkit.encoders.resnet import BLOCKS
 from tellkit.errors import TellkitError
 
@@ -84,8 +85,6 @@ def recipe_sections(config: dict[str, Any], carried: dict[str, Any], recipe: str
     RoBERTa by hub name, ResNet-152, MTCNN + FaceNet VGGFace2, YOLOv3 objects; ``carried``, the
     encoder files the checkpoint holds, win), ``data`` (the article context) and ``eval`` (greedy,
     100 steps); ``train`` too, for fine-tuning. ``model`` is the converted config itself."""
-    from tellkit.config import load_yaml, resolve_config_path  # heavy
-
     name = _recipe_name(recipe, list(config.get("contexts", [])))
     sections = {k: v for k, v in load_yaml(resolve_config_path(name)).items() if k not in ("model", "base")}
     encoders = dict(sections.get("encoders") or {})

@@ -30,7 +30,7 @@ def test_converted_folder_names_task_encoders_data_and_generation(tmp_path):
                       "--out", tmp_path / "conv")
     assert res.returncode == 0, res.stderr
     meta = json.loads((tmp_path / "conv" / "config.json").read_text())
-    assert meta["task"] == "captioning" and meta["converted_recipe"] == "tat/goodnews"
+    assert meta["task"] == "caption" and meta["converted_recipe"] == "tat/goodnews"
     enc = meta["encoders"]
     assert (enc["article"], enc["image"], enc["faces"], enc["objects"]) == \
         ("roberta-large", "resnet152", "facenet_vggface2", "yolov3")
@@ -125,7 +125,7 @@ def test_paper_size_checkpoint_converts_and_runs_caption_and_evaluate(paper_chec
                       "--split", "test", "--out", tmp_path / "eval", "--no-progress")
     assert res.returncode == 0, res.stderr
     metrics = json.loads((tmp_path / "eval" / "metrics_test.json").read_text())
-    assert metrics["n"] == 1 and "bleu4" in metrics["metrics"] and metrics["task"] == "captioning"
+    assert metrics["n"] == 1 and "bleu4" in metrics["metrics"] and metrics["task"] == "caption"
     preds = (tmp_path / "eval" / "predictions_test.jsonl").read_text().splitlines()
     assert len(preds) == 1
 

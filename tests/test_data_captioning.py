@@ -344,6 +344,26 @@ def test_flickr8k_recipe_reads_the_data_given_to_it(shared_data):
     assert len({s.image_id for s in val}) == 1000 and all(Path(s.image_path).is_file() for s in val[:5])
 
 
+def test_goodnews_split_rule_as_goodnews_drew_it():
+    """GoodNews's clean_captions.py: np.random.seed(42), then per caption (articles and images in
+    file order) u = np.random.uniform(); u > 0.95 test, 0.91 < u < 0.95 val, else train."""
+    import numpy as np
+
+    from tellkit.data.goodnews import goodnews_splits
+
+    articles = {f"a{i}": {"images": {str(j): f"c{j}" for j in (2, 0, 1)[: 1 + i % 3]}} for i in range(3000)}
+    np.random.seed(42)
+    expected = {}
+    for aid, art in articles.items():
+        for ix in art["images"]:
+            u = np.random.uniform()
+            expected[f"{aid}_{ix}.jpg"] = "test" if u > 0.95 else ("val" if 0.91 < u < 0.95 else "train")
+    got = goodnews_splits(articles)
+    assert got == expected and list(got) == list(expected)
+    share = {k: sum(v == k for v in got.values()) / len(got) for k in ("train", "val", "test")}
+    assert abs(share["test"] - 0.05) < 0.01 and abs(share["val"] - 0.04) < 0.01
+
+
 def test_the_real_goodnews_sample_reads_and_becomes_a_batch(shared_data, tmp_path):
     """GoodNews' own release format (5 New York Times articles, 12 photos, no split file): the
     loader reads every non-empty caption, cleaned, with its article and photo; the captioning
@@ -366,8 +386,13 @@ def test_the_real_goodnews_sample_reads_and_becomes_a_batch(shared_data, tmp_pat
     assert zuck.title and zuck.paragraphs and zuck.split is None and zuck.extra["url"].startswith("http")
     assert any("Leroy Smith" in s.caption for s in samples)
     assert all("[" not in s.caption and "<" not in s.caption for s in samples)
-    with pytest.raises(TellkitError, match="img_splits.json"):
-        load_goodnews(root, "test")
+    # no img_splits.json: a split is drawn by GoodNews's own rule (seed 42, one draw per photo)
+    dropped = []
+    test = load_goodnews(root, "test", dropped=dropped)
+    assert [s.id for s in test] == ["584f1ddf95d0e0392607597e_0"] and test[0].split == "test"
+    assert [d["id"] for d in dropped] == ["51a92bb440e9ec65d203a9e4_0"]  # a test photo with an empty caption
+    assert dropped[0]["reason"] == "empty caption"
+    assert len(load_goodnews(root, "train")) == 9
 
     contexts = ("image", "article")
     proc = CaptionProcessor(EncoderBundle(EncodersConfig(), contexts, max_article_tokens=64), contexts=contexts)

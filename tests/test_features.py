@@ -193,3 +193,14 @@ def test_decompression_bomb_and_refused_formats_are_skipped_before_decoding(tmp_
     summary = json.loads((tmp_path / "o" / "features.json").read_text())["summary"]
     assert summary["skipped_by_reason"] == {"too many pixels": 1, "unsupported format": 1}
     assert "decompression-bomb guard" in out and "format EPS is not accepted" in out
+
+
+def test_goodnews_photos_left_out_for_empty_captions_are_counted(shared_data, tmp_path, capsys):
+    """GoodNews keeps no caption-less photo: the 2 of the sample's 12 photos whose caption is empty
+    are not encoded, and the summary says so, with the reason, instead of "skipped: 0"."""
+    out = tmp_path / "feats"
+    assert _run(out, "--format", "goodnews", "--root", shared_data / "goodnews_sample", "--no-faces") == 0
+    printed = capsys.readouterr().out
+    assert "features: 10 of 12 images" in printed and "skipped: 2 (2 empty caption)" in printed
+    summary = json.loads((out / "features.json").read_text())["summary"]
+    assert summary["skipped_by_reason"] == {"empty caption": 2} and summary["encoded"] == 10

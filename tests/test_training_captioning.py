@@ -272,3 +272,17 @@ def test_feature_cache_keeps_precomputed_faces_and_objects(tmp_path, monkeypatch
     assert torch.equal(store["a"]["faces"], faces[:3]) and torch.equal(store["a"]["objects"], objects)
     assert store["b"]["faces"].shape == (0, 512) and store["b"]["objects"].shape == (0, 2048)
     assert json.loads((tmp_path / "f" / "features.json").read_text())["config"]["max_faces"] == 3
+
+
+def test_encoder_sizes_are_checked_before_any_feature_is_extracted(shared_data, tmp_path):
+    """tat/tiny reads 16-d image vectors; the packaged MobileNetV2 gives 1280-d ones: the
+    mismatch is named before the feature cache is written, not after extraction."""
+    from tellkit.errors import TellkitError
+    from tellkit.tasks.captioning import CaptioningTask
+
+    recipe = deep_merge(load_yaml("tat/tiny"), {"data": {
+        "format": "goodnews", "context": "first_tokens", "root": str(shared_data / "goodnews_sample"),
+        "features": str(tmp_path / "feats")}})
+    with pytest.raises(TellkitError, match="gives 1280-d features; the model expects image_dim=16"):
+        CaptioningTask(recipe).build_dataset("train")
+    assert not list(tmp_path.rglob("shard-*"))

@@ -82,6 +82,7 @@ def run(args) -> int:
         import torch  # heavy
 
         torch.set_num_threads(args.threads)
+    dropped: list[dict] = []  # photos the data set's loader leaves out (with the reason)
     if args.images:
         items = items_from_images(args.images)
         if args.limit:
@@ -89,7 +90,8 @@ def run(args) -> int:
     else:
         from tellkit.tasks.captioning import dataset_inputs  # heavy
 
-        items = dataset_inputs(args.format, args.root, args.split, args.limit, args.image_root, objects=args.objects)
+        items = dataset_inputs(args.format, args.root, args.split, args.limit, args.image_root, objects=args.objects,
+                               dropped=dropped)
     if args.article and args.images:
         print("note: --images gives no article text; article features will be empty", file=sys.stderr)
     if args.objects and args.images:
@@ -104,7 +106,7 @@ def run(args) -> int:
         shard_size=args.shard_size, batch_size=args.batch_size, max_pixels=args.max_pixels, device=device,
     )
     summary = extract_features(items, args.out, cfg, overwrite=args.overwrite, progress=not args.no_progress,
-                               log=lambda msg: print(msg, file=sys.stderr, flush=True))
+                               log=lambda msg: print(msg, file=sys.stderr, flush=True), dropped=dropped)
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary["skipped_by_reason"].items())) or "none"
     speed = f", {summary['seconds_per_image']:.3f} s/image" if summary["seconds_per_image"] else ""
     print(f"features: {summary['encoded']} of {summary['items']} images in {Path(args.out)} "

@@ -3,7 +3,8 @@
 - ``captioning_dataset.json``: article id -> ``{"article": text, "headline": {"main": ...},
   "images": {"<index>": caption, ...}, "article_url": ...}``
 - ``img_splits.json``: image file name (``<article id>_<index>.jpg``) -> train / val / test
-  (released beside the captions; without it every caption is read, with ``split=None``)
+  (released beside the captions; without it, ``split=None`` reads every caption and a split
+  is drawn by GoodNews's own rule, :func:`goodnews_splits`)
 - images: ``<root>/<images_dir>/<article id>_<index>.jpg``
 
 The split is per caption, so test captions can share an article with training captions (as
@@ -27,6 +28,8 @@ import re
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from tellkit.data.nytimes import attach_objects, read_archive_objects
 from tellkit.data.sample import CaptionSample
@@ -69,19 +72,43 @@ def _read_json(path: Path) -> Any:
         raise TellkitError(f"{path}: not valid JSON ({exc})") from exc
 
 
+SPLIT_SEED = 42  # GoodNews's clean_captions.py: np.random.seed(42)
+
+
+def goodnews_splits(articles: dict[str, Any], seed: int = SPLIT_SEED) -> dict[str, str]:
+    """Each photo's split by GoodNews's own rule (its ``clean_captions.py``): one uniform draw
+    per caption, in the order of the articles and of each article's images, from NumPy's
+    generator seeded with 42: above 0.95 test, strictly between 0.91 and 0.95 val, else train
+    (about 5 / 4 / 91 %). Every caption takes a draw, an empty one too. GoodNews drew in the
+    order of a Python 2 dict, which cannot be re-created, so the split has GoodNews's rule and
+    proportions but not its released assignment: use the released ``img_splits.json`` to compare
+    with published numbers. -> {"<article id>_<index>.jpg": split}."""
+    rng = np.random.RandomState(seed)
+    out: dict[str, str] = {}
+    for aid, art in articles.items():
+        for idx in (art.get("images") or {}) if isinstance(art, dict) else ():
+            u = rng.uniform()
+            out[f"{aid}_{idx}.jpg"] = "test" if u > 0.95 else "val" if 0.91 < u < 0.95 else "train"
+    return out
+
+
 def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_dir: str | None = None,
                   limit: int | None = None, clean_captions: bool = True,
-                  objects: str | os.PathLike | None = None) -> list[CaptionSample]:
+                  objects: str | os.PathLike | None = None, dropped: list[dict] | None = None) -> list[CaptionSample]:
+    """The captions of ``split`` (None: all) as samples. ``dropped``: a list that receives each
+    photo of the split left out because its caption is empty once cleaned ({"id", "path",
+    "reason": "empty caption", "message"}), so that a feature pass can count it."""
     root = Path(root)
     articles = _read_json(root / "captioning_dataset.json")
+    if not isinstance(articles, dict):
+        raise TellkitError(f"{root}: GoodNews files must hold JSON objects")
     if (root / "img_splits.json").is_file():
         splits = _read_json(root / "img_splits.json")
     elif split is None:  # no split file: every caption, in no split
         splits = None
-    else:
-        raise TellkitError(f"GoodNews: {root / 'img_splits.json'} not found (it names each image's split); "
-                           f"read without a split to load every caption")
-    if not isinstance(articles, dict) or not isinstance(splits, (dict, type(None))):
+    else:  # GoodNews's own rule, drawn again (see goodnews_splits)
+        splits = goodnews_splits(articles)
+    if not isinstance(splits, (dict, type(None))):
         raise TellkitError(f"{root}: GoodNews files must hold JSON objects")
     img_dir = root / images_dir if images_dir else next((root / d for d in IMAGE_DIRS if (root / d).is_dir()), root)
     # keys of img_splits may carry the .jpg extension or not
@@ -97,7 +124,12 @@ def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_d
             name = f"{aid}_{idx}"
             s = split_of.get(name)
             caption = clean_caption(caption or "") if clean_captions else (caption or "").strip()
-            if (splits is not None and s is None) or (split is not None and s != split) or not caption:
+            if (splits is not None and s is None) or (split is not None and s != split):
+                continue
+            if not caption:
+                if dropped is not None:
+                    dropped.append({"id": name, "path": str(img_dir / f"{name}.jpg"), "reason": "empty caption",
+                                    "message": "its caption is empty (GoodNews keeps no caption-less photo)"})
                 continue
             out.append(CaptionSample(
                 id=name, caption=caption, image_path=str(img_dir / f"{name}.jpg"), image_id=name,

@@ -209,8 +209,10 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 
 def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, cfg: FeatureConfig | None = None,
                      *, overwrite: bool = False, progress: bool = True,
-                     log: Callable[[str], None] | None = None) -> dict:
-    """Encode ``items`` into shards under ``out_dir`` (resuming a previous run); returns the summary."""
+                     log: Callable[[str], None] | None = None, dropped: Sequence[dict] = ()) -> dict:
+    """Encode ``items`` into shards under ``out_dir`` (resuming a previous run); returns the summary.
+    ``dropped``: photos the data set's loader left out before extraction ({"id", "path",
+    "reason", "message"}, e.g. an empty caption), counted with the skipped ones."""
     from safetensors.torch import save_file  # heavy
 
     cfg = cfg or FeatureConfig()
@@ -268,9 +270,9 @@ def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, c
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
-    skipped_all = [s for k in sorted(done) for s in done[k]["skipped"]]
+    skipped_all = [*dropped, *(s for k in sorted(done) for s in done[k]["skipped"])]
     summary = {
-        "items": len(items),
+        "items": len(items) + len(dropped),
         "encoded": sum(len(m["ids"]) for m in done.values()),
         "skipped": len(skipped_all),
         "skipped_by_reason": dict(Counter(s["reason"] for s in skipped_all)),

@@ -74,7 +74,7 @@ from tellkit.recipes import (
     check_limits,
     section,
 )
-from tellkit.registry import get_entry
+from tellkit.registry import build_config, get_entry
 from tellkit.tasks import register_task
 from tellkit.tasks.processor import Processor, as_pil, finite_or_none, input_path, is_array, is_pil
 from tellkit.training.evaluation import to_device
@@ -179,12 +179,14 @@ def sample_input(s: CaptionSample, context_mode: str = "location_aware") -> Capt
 
 
 def dataset_inputs(fmt: str, root: str, split: str | None = None, limit: int | None = None,
-                   image_root: str | None = None, objects: bool = False) -> list[CaptionInput]:
+                   image_root: str | None = None, objects: bool = False,
+                   dropped: list[dict] | None = None) -> list[CaptionInput]:
     """One input per distinct image of a captioning data set (``tellkit features --format``),
     with its article context (title, paragraphs, image position) and precomputed sets.
     ``image_root``: the images' folder (NYTimes800k default: ``images_processed`` beside the archive);
-    ``objects``: also read the object vectors the data set ships (NYTimes800k)."""
-    options: dict = {}
+    ``objects``: also read the object vectors the data set ships (NYTimes800k); ``dropped``
+    receives the photos the loader leaves out, with the reason (GoodNews: empty captions)."""
+    options: dict = {"dropped": dropped} if dropped is not None and fmt == "goodnews" else {}
     if objects:
         if fmt != "nytimes800k":
             raise TellkitError(f"the {fmt} data ships no object vectors (--objects is for nytimes800k)")
@@ -410,6 +412,8 @@ def cached_features(task: CaptioningTask, samples: list[CaptionSample], split: s
     items: dict[str, CaptionInput] = {}
     for s in samples:
         items.setdefault(s.image_id or s.id, sample_input(s, mode))
+    # the encoders must give what the model reads before anything is extracted
+    task.bundle.check_model(build_config({"name": task.model_cfg.get("name"), **task.model_cfg})[1])
     ddp = dist.is_available() and dist.is_initialized()
     if not ddp or dist.get_rank() == 0:  # reuses finished shards; refuses another configuration
         extract_features(list(items.values()), directory, feature_config(task), progress=progress)

@@ -204,3 +204,44 @@ def test_goodnews_photos_left_out_for_empty_captions_are_counted(shared_data, tm
     assert "features: 10 of 12 images" in printed and "skipped: 2 (2 empty caption)" in printed
     summary = json.loads((out / "features.json").read_text())["summary"]
     assert summary["skipped_by_reason"] == {"empty caption": 2} and summary["encoded"] == 10
+
+
+def test_two_shard_processes_share_one_folder_and_a_later_run_computes_nothing(image_dir, tmp_path):
+    """Two `--shard` processes at once on one OUT: disjoint shards that together cover it; the
+    unsharded run after them computes nothing. A lock held by a live process keeps its shard from
+    everyone else; one left by a dead process on this host is taken over."""
+    import subprocess
+    import sys
+
+    from tellkit.encoders import shards
+
+    out = tmp_path / "feats"
+    cmd = [sys.executable, "-m", "tellkit", "features", str(out), "--images", str(image_dir), "--no-faces",
+           "--no-progress", "--shard-size", "1", "--batch-size", "1"]
+    procs = [subprocess.Popen([*cmd, "--shard", f"{i}/2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
+    summaries = [json.loads(r[0].strip().splitlines()[-1]) for r in results]
+    assert [s["shards_written"] for s in summaries] == [4, 3]  # shards 0,2,4,6 and 1,3,5 (7 images)
+    names = sorted(p.name for p in out.glob("shard-*.safetensors"))
+    assert names == [f"shard-{k:05d}.safetensors" for k in range(7)] and not list(out.glob("*.lock"))
+    assert any(s["complete"] for s in summaries)  # whichever finished last saw every shard
+    store = FeatureStore(out)
+    assert len(store) == 5 and {s["id"] for s in store.skipped} == {"broken", "notes"}
+
+    again = subprocess.run([*cmd], capture_output=True, text=True, timeout=300)
+    last = json.loads(again.stdout.strip().splitlines()[-1])
+    assert again.returncode == 0 and last["shards_written"] == 0 and last["complete"]
+    assert "shards: all 7 present" in again.stdout
+
+    shard = out / "shard-00099.safetensors"
+    assert shards.claim(shard) and not shards.claim(shard)  # held by this (live) process
+    shards.lock_path(shard).write_text(json.dumps({"host": __import__("socket").gethostname(), "pid": 2**22 + 7}))
+    assert shards.claim(shard)  # its process is gone: taken over
+    shards.release(shard)
+    assert shards.shard_spec(None, {"RANK": "3", "WORLD_SIZE": "8"}) == (3, 8)
+    assert shards.shard_spec(None, {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "4",
+                                    "SLURM_ARRAY_TASK_MIN": "2"}) == (3, 4)
+    assert shards.shard_spec(None, {}) is None and shards.shard_spec("1/4") == (1, 4)
+    assert main(["features", str(out), "--images", str(image_dir), "--shard", "4/4"]) == 2

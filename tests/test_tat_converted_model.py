@@ -33,7 +33,7 @@ def test_converted_folder_names_task_encoders_data_and_generation(tmp_path):
     assert meta["task"] == "caption" and meta["converted_recipe"] == "tat/goodnews"
     enc = meta["encoders"]
     assert (enc["article"], enc["image"], enc["faces"], enc["objects"]) == \
-        ("roberta-large", "resnet152", "facenet_vggface2", "yolov3")
+        ("roberta-large", "resnet152", "facenet_vggface2", "yolov3_resnet152")
     assert "image_weights" not in enc and "face_weights" not in enc  # nothing of theirs was in best.th
     assert (meta["data"]["format"], meta["data"]["context"], meta["data"]["max_article_tokens"]) == \
         ("goodnews", "first_tokens", 512)

@@ -5,7 +5,11 @@ hidden states into shards under OUT (see tellkit.encoders.features for the layou
     tellkit features feats/ --format goodnews --root data/goodnews --split val --article
     tellkit features feats/ --images photos/ --image-encoder resnet152 --image-weights r152.pth
 
-Re-running the same command resumes after the last finished shard. Images are decoded by
+Re-running the same command resumes after the last finished shard. Several processes share one
+OUT: ``--shard I/N`` (or torchrun / a Slurm job array, read from the environment) gives process I
+the shards k with k % N == I, and each shard is claimed with a lock file
+(:mod:`tellkit.encoders.shards`); the summary ends with the check that every shard exists. Photos
+a data set's loader leaves out (GoodNews: an empty caption) are counted as skipped. Images are decoded by
 :func:`tellkit.utils.images.open_image` (format and pixel cap checked from the header, so a
 decompression bomb is refused before any pixel is decoded); unreadable images are reported and
 skipped, and the summary (also in OUT/features.json) counts them by reason. An OUT that is not a
@@ -60,6 +64,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-pixels", type=int, help="skip images with more pixels (decompression-bomb guard)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    p.add_argument("--shard", metavar="I/N",
+                   help="compute only shards k with k %% N == I (process I of N on one OUT; default: from torchrun's "
+                        "RANK / WORLD_SIZE or a Slurm job array, else every shard); each shard is claimed with a "
+                        "lock file, so processes never compute the same one")
     p.add_argument("--overwrite", action="store_true", help="discard features already in OUT")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -105,13 +113,21 @@ def run(args) -> int:
         max_article_tokens=args.max_article_tokens, context_policy=args.context_policy, dtype=args.dtype,
         shard_size=args.shard_size, batch_size=args.batch_size, max_pixels=args.max_pixels, device=device,
     )
+    from tellkit.encoders.shards import shard_spec  # heavy
+
     summary = extract_features(items, args.out, cfg, overwrite=args.overwrite, progress=not args.no_progress,
-                               log=lambda msg: print(msg, file=sys.stderr, flush=True), dropped=dropped)
+                               log=lambda msg: print(msg, file=sys.stderr, flush=True), dropped=dropped,
+                               shard=shard_spec(args.shard))
     reasons = ", ".join(f"{n} {r}" for r, n in sorted(summary["skipped_by_reason"].items())) or "none"
     speed = f", {summary['seconds_per_image']:.3f} s/image" if summary["seconds_per_image"] else ""
     print(f"features: {summary['encoded']} of {summary['items']} images in {Path(args.out)} "
           f"({summary['shards']} shards: {summary['shards_written']} written, {summary['shards_reused']} reused; "
           f"{summary['seconds']:.1f} s{speed})")
+    if summary["complete"]:
+        print(f"shards: all {summary['shards']} present")
+    else:
+        print(f"shards: {summary['missing_shards']} of {summary['shards']} not yet written (other processes' shards, "
+              "or run again to compute them)")
     print(f"skipped: {summary['skipped']} ({reasons})")
     for s in summary["skipped_items"][:20]:
         print(f"  {s['id']}: {s['message']}")

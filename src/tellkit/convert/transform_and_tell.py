@@ -94,7 +94,7 @@ def recipe_sections(config: dict[str, Any], carried: dict[str, Any], recipe: str
     else:  # not a RoBERTa width: the user names the encoder (encoders.article=...)
         encoders.pop("article", None)
     if "objects" in config.get("contexts", []):
-        encoders["objects"] = "yolov3"
+        encoders.setdefault("objects", "yolov3_resnet152")  # YOLOv3 boxes through ResNet-152, as tat/nytimes_full
     sections["encoders"] = {**encoders, **carried}
     sections["converted_recipe"] = name
     return sections

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tellkit.encoders import shards
 from tellkit.encoders.bundle import FACE_DIM, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.encoders.preprocess import ImageLoadError, load_image
 from tellkit.errors import TellkitError
@@ -209,10 +210,15 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 
 def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, cfg: FeatureConfig | None = None,
                      *, overwrite: bool = False, progress: bool = True,
-                     log: Callable[[str], None] | None = None, dropped: Sequence[dict] = ()) -> dict:
+                     log: Callable[[str], None] | None = None, dropped: Sequence[dict] = (),
+                     shard: tuple[int, int] | None = None) -> dict:
     """Encode ``items`` into shards under ``out_dir`` (resuming a previous run); returns the summary.
     ``dropped``: photos the data set's loader left out before extraction ({"id", "path",
-    "reason", "message"}, e.g. an empty caption), counted with the skipped ones."""
+    "reason", "message"}, e.g. an empty caption), counted with the skipped ones. ``shard`` (I, N):
+    this process computes only shards k with k % N == I (:mod:`tellkit.encoders.shards`); every
+    shard is claimed with a lock file first, so processes sharing ``out_dir`` never compute the
+    same one. The summary's ``complete`` says whether every shard exists once this process is done
+    (``missing_shards``: how many do not: other processes' or not yet computed)."""
     from safetensors.torch import save_file  # heavy
 
     cfg = cfg or FeatureConfig()
@@ -230,16 +236,19 @@ def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, c
             raise TellkitError(f"{out} holds features of another configuration or item list; "
                                "use another output folder or --overwrite")
     if overwrite:
-        for f in out.glob("shard-*.safetensors"):
+        if shard is not None:
+            raise TellkitError("overwrite with a shard of the work would discard the other processes' shards")
+        for f in (*out.glob("shard-*.safetensors"), *out.glob("shard-*.lock")):
             f.unlink()
-    index_path.write_text(json.dumps(header, indent=2), encoding="utf-8")
+    _write_index(index_path, header)
 
     n_shards = (len(items) + cfg.shard_size - 1) // cfg.shard_size
-    done = {k: _read_meta(_shard_path(out, k)) for k in range(n_shards) if _shard_path(out, k).exists()}
-    done = {k: m for k, m in done.items() if m is not None}
+    mine = [k for k in range(n_shards) if shard is None or k % shard[1] == shard[0]]
+    done = _done_shards(out, mine)
     already = sum(min(cfg.shard_size, len(items) - k * cfg.shard_size) for k in done)
+    total = sum(min(cfg.shard_size, len(items) - k * cfg.shard_size) for k in mine)
     t0 = time.perf_counter()
-    bar = tqdm(total=len(items), initial=already, unit="img", desc="features", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=total, initial=already, unit="img", desc="features", disable=not progress, dynamic_ncols=True)
     say = log or (lambda msg: tqdm.write(msg))
 
     def on_item(item: FeatureItem, error: str | None) -> None:
@@ -252,24 +261,30 @@ def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, c
     encoded_now = 0
     encode_seconds = 0.0  # time spent encoding (model loading excluded)
     try:
-        for k in range(n_shards):
-            if k in done:
-                continue
-            bundle = bundle or _bundle(cfg)
-            chunk = items[k * cfg.shard_size:(k + 1) * cfg.shard_size]
-            t1 = time.perf_counter()
-            tensors, ids, skipped = _encode_shard(chunk, bundle, cfg, on_item)
-            encode_seconds += time.perf_counter() - t1
+        for k in mine:
             path = _shard_path(out, k)
-            tmp = path.with_suffix(".tmp")
-            save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids), "skipped": json.dumps(skipped)})
-            os.replace(tmp, path)
+            if k in done or path.exists() or not shards.claim(path):  # done, or another process's
+                continue
+            try:
+                if path.exists():  # finished by another process since the scan
+                    continue
+                bundle = bundle or _bundle(cfg)
+                chunk = items[k * cfg.shard_size:(k + 1) * cfg.shard_size]
+                t1 = time.perf_counter()
+                tensors, ids, skipped = _encode_shard(chunk, bundle, cfg, on_item)
+                encode_seconds += time.perf_counter() - t1
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                save_file(tensors, str(tmp), metadata={"ids": json.dumps(ids), "skipped": json.dumps(skipped)})
+                os.replace(tmp, path)
+            finally:
+                shards.release(path)
             done[k] = {"ids": ids, "skipped": skipped}
             written += 1
             encoded_now += len(ids)
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
+    done = _done_shards(out, range(n_shards))  # the final check: every shard, whoever wrote it
     skipped_all = [*dropped, *(s for k in sorted(done) for s in done[k]["skipped"])]
     summary = {
         "items": len(items) + len(dropped),
@@ -279,12 +294,29 @@ def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, c
         "skipped_items": skipped_all,
         "shards": n_shards,
         "shards_written": written,
-        "shards_reused": n_shards - written,
+        "shards_reused": len(done) - written,
+        "missing_shards": n_shards - len(done),
+        "complete": len(done) == n_shards,
+        "shard": f"{shard[0]}/{shard[1]}" if shard is not None else None,
         "seconds": round(seconds, 3),
         "seconds_per_image": round(encode_seconds / encoded_now, 4) if encoded_now else None,
     }
-    index_path.write_text(json.dumps({**header, "summary": summary}, indent=2), encoding="utf-8")
+    if summary["complete"]:
+        _write_index(index_path, {**header, "summary": summary})
     return summary
+
+
+def _write_index(path: Path, data: dict) -> None:
+    """features.json, replaced atomically (processes sharing the folder write the same header)."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _done_shards(out: Path, ks: Iterable[int]) -> dict[int, dict]:
+    """{k: the shard's ids and skipped items} for each readable shard file among ``ks``."""
+    found = {k: _read_meta(_shard_path(out, k)) for k in ks if _shard_path(out, k).exists()}
+    return {k: m for k, m in found.items() if m is not None}
 
 
 # --- reading -------------------------------------------------------------------------------

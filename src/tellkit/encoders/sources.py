@@ -37,6 +37,7 @@ SOURCES = {
         "YOLOv3", "the darknet file yolov3.weights (https://pjreddie.com/media/files/yolov3.weights)",
         "object_weights", "FILE"),
 }
+SOURCES["yolov3_resnet152"] = SOURCES["yolov3"]  # the recipes' name: YOLOv3 boxes, ResNet-152 vectors
 
 
 def how_to_pass(name: str | None, key: str, value: str = "FILE") -> str:

@@ -25,7 +25,7 @@ def test_training_and_the_pipelines_take_the_same_default(tmp_path, monkeypatch)
     assert info.device == torch.device("meta")
     distributed.teardown(info)
     monkeypatch.undo()
-    create_model("bttr/tiny").save_pretrained(tmp_path / "m", extra={"task": "recognition"})
+    create_model("bttr/tiny").save_pretrained(tmp_path / "m", extra={"task": "recognize"})
     assert tellkit.pipeline("recognize", tmp_path / "m").device == default_device()
     from tellkit.pipelines.recognition import RecognitionPipeline
 

@@ -173,7 +173,7 @@ def test_bad_values_are_refused_when_the_recipe_is_read(augment, key):
     if key != "unknown key":
         assert f"data.augment.{key}:" in str(exc.value)
     with pytest.raises(TellkitError, match=key):
-        RecognitionTask({"task": "recognition", "data": {"augment": augment}})
+        RecognitionTask({"task": "recognize", "data": {"augment": augment}})
 
 
 def test_stroke_keys_need_inkml():

@@ -270,7 +270,7 @@ def test_undefined_figures_are_a_dash_in_tables_and_the_worst_monitor_value():
     from tellkit.cli.cmd_table import markdown
     from tellkit.training.task import Task
 
-    row = {"row": "tat", "task": "captioning", "monitor": "cider", "params": 1e6, "steps": 3, "best_val": 1.0,
+    row = {"row": "tat", "task": "caption", "monitor": "cider", "params": 1e6, "steps": 3, "best_val": 1.0,
            "metrics": {"cider": 12.5, "entities_precision": None, "entities_recall": 40.0}}
     line = markdown([row]).splitlines()[2]
     assert "| 12.50 | - | 40.00 |" in line

@@ -12,6 +12,7 @@ and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import importlib
 import math
@@ -73,22 +74,39 @@ def expand_inputs(args: list[str], suffixes: tuple[str, ...], what: str = "input
     A folder without such files or a pattern without matches is a one-line error."""
     out: list[str] = []
     for arg in args:
-        p = Path(arg)
-        if p.is_dir():
-            found = sorted(str(f) for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
-            if not found:
-                raise TellkitError(f"{arg}: no {what} in this folder ({', '.join(suffixes)})")
-            out += found
-        elif GLOB_CHARS & set(arg) and not p.exists():
-            found = sorted(f for f in glob.glob(arg) if Path(f).is_file())
-            if not found:
-                raise TellkitError(f"{arg}: no file matches this pattern")
-            out += found
-        else:
-            out.append(arg)
+        try:
+            out += _expand_one(arg, suffixes, what)
+        except OSError as exc:  # a name too long, a folder that cannot be listed
+            raise TellkitError(f"{display(arg)}: cannot read ({exc.strerror or exc})") from None
     if not out:
         raise TellkitError(f"no {what} given")
     return out
+
+
+def display(path) -> str:
+    """A path (or a message naming one) as text that prints anywhere and is valid UTF-8 JSON:
+    bytes that are not UTF-8 (a file name from another system's encoding, which Python keeps as
+    surrogates) shown as U+FFFD."""
+    text = os.fsdecode(path) if isinstance(path, (bytes, os.PathLike)) else str(path)
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # other lone surrogates
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _expand_one(arg: str, suffixes: tuple[str, ...], what: str) -> list[str]:
+    p = Path(arg)
+    if p.is_dir():
+        found = sorted(str(f) for f in p.iterdir() if f.is_file() and f.suffix.lower() in suffixes)
+        if not found:
+            raise TellkitError(f"{display(arg)}: no {what} in this folder ({', '.join(suffixes)})")
+        return found
+    if GLOB_CHARS & set(arg) and not p.exists():
+        found = sorted(f for f in glob.glob(arg) if Path(f).is_file())
+        if not found:
+            raise TellkitError(f"{display(arg)}: no file matches this pattern")
+        return found
+    return [arg]
 
 
 def add_model_arguments(p, default_help: str, dtype: bool = True) -> None:
@@ -138,6 +156,10 @@ def note_dtype(command: str, info: dict) -> None:
         print(f"tellkit {command}: note: {info['dtype_note']}", file=sys.stderr)
 
 
+# what the file system answers about a path a person named (never a fault of tellkit's own)
+_FILE_ERRORS = {errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ELOOP}
+
+
 def _commands():
     mods = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
@@ -177,7 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except TellkitError as exc:
-        print(f"tellkit {args.command}: error: {exc}", file=sys.stderr)
+        print(f"tellkit {args.command}: error: {display(exc)}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.errno not in _FILE_ERRORS:
+            raise
+        # a path the person named that the system refuses: too long, no permission, read-only
+        where = f"{display(exc.filename)}: " if exc.filename else ""
+        print(f"tellkit {args.command}: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"tellkit {args.command}: interrupted", file=sys.stderr)

@@ -31,6 +31,7 @@ from tellkit.cli import (
     add_encoder_argument,
     add_model_arguments,
     add_runtime_argument,
+    display,
     encoder_overrides,
     expand_inputs,
     note_dtype,
@@ -95,10 +96,10 @@ def run(args) -> int:
                        details=args.json)
         for path, res in zip(chunk, results):
             if args.json:
-                print(json.dumps({"input": path, **({"article": args.article} if args.article else {}), **res,
+                print(json.dumps({"input": display(path), **({"article": args.article} if args.article else {}), **res,
                                   "model": pipe.info}, ensure_ascii=False))
             else:
-                print_plain(path, res, len(paths) > 1)
+                print_plain(display(path), res, len(paths) > 1)
         sys.stdout.flush()
     if "objects" in pipe.contexts:
         print(f"tellkit caption: note: {pipe.info['objects']}", file=sys.stderr)

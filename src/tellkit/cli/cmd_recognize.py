@@ -18,6 +18,7 @@ from tellkit.cli import (
     IMAGE_SUFFIXES,
     add_model_arguments,
     add_runtime_argument,
+    display,
     expand_inputs,
     note_dtype,
     positive_float,
@@ -67,9 +68,9 @@ def run(args) -> int:
     results = pipe(paths, batch_size=args.batch_size)
     for path, r in zip(paths, results):
         if args.json:
-            print(json.dumps({"input": path, **r}, ensure_ascii=False))
+            print(json.dumps({"input": display(path), **r}, ensure_ascii=False))
         else:
-            print_plain(path, r, len(paths) > 1)
+            print_plain(display(path), r, len(paths) > 1)
     return 0
 
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from tellkit.cli import add_model_arguments, expand_inputs, note_dtype, read_text_file
+from tellkit.cli import add_model_arguments, display, expand_inputs, note_dtype, read_text_file
 from tellkit.errors import TellkitError
 
 NAME = "summarize"
@@ -66,8 +66,8 @@ def run(args) -> int:
         print("tellkit summarize: note: the model is text-only, the video features are ignored", file=sys.stderr)
     for p, r in zip(paths, results):
         if args.json:
-            print(json.dumps({"input": p, "text": r["text"], "frames": r["frames"],
+            print(json.dumps({"input": display(p), "text": r["text"], "frames": r["frames"],
                               "checkpoint": pipe.info["checkpoint"]}, ensure_ascii=False))
         else:
-            print(r["text"] if len(paths) == 1 else f"{p}\t{r['text']}")
+            print(r["text"] if len(paths) == 1 else f"{display(p)}\t{r['text']}")
     return 0

@@ -101,14 +101,17 @@ def convert_checkpoint(src: str | os.PathLike, out: str | os.PathLike, family: s
         raise TellkitError(f"{src}: converted weights do not fit the {family} model "
                            f"(missing {missing[:5]}, unexpected {result.unexpected_keys[:5]})")
     extra: dict[str, Any] = {"converted_from": Path(src).name}
-    if hasattr(converter(family), "encoder_files"):  # encoder weights the checkpoint carries
-        section, files = converter(family).encoder_files(state)
-        write_tensor_files(out, files)
-        if section:
-            extra["encoders"] = section
-    if hasattr(converter(family), "recipe_sections"):  # what the model runs with: task, encoders, data, eval
-        extra.update(converter(family).recipe_sections(config, extra.get("encoders", {}), **options))
-    save_model(model, out, extra=extra)
+    try:
+        if hasattr(converter(family), "encoder_files"):  # encoder weights the checkpoint carries
+            section, files = converter(family).encoder_files(state)
+            write_tensor_files(out, files)
+            if section:
+                extra["encoders"] = section
+        if hasattr(converter(family), "recipe_sections"):  # what the model runs with: task, encoders, data, eval
+            extra.update(converter(family).recipe_sections(config, extra.get("encoders", {}), **options))
+        save_model(model, out, extra=extra)
+    except OSError as exc:  # a read-only folder, a full disk
+        raise TellkitError(f"{out}: cannot write there ({exc.strerror or exc})") from None
     return out
 
 

@@ -334,12 +334,12 @@ def _as_arrays(strokes: Iterable) -> list[np.ndarray]:
 def stroke_scale(strokes: Sequence[np.ndarray]) -> float:
     """The median stroke size in the strokes' own units (longer side of each stroke's box;
     dots are ignored); falls back to the whole expression's size."""
-    sizes = [float(np.ptp(s, axis=0).max()) for s in strokes if len(s) > 1]
-    sizes = [v for v in sizes if v > 0]
-    if sizes:
-        return float(np.median(sizes))
     allp = np.concatenate(strokes)
     ext = float(np.ptp(allp, axis=0).max())
+    sizes = [float(np.ptp(s, axis=0).max()) for s in strokes if len(s) > 1]
+    sizes = [v for v in sizes if v > ext * 1e-9]  # a stroke a billionth of the expression's size is a dot
+    if sizes:
+        return float(np.median(sizes))
     return ext if ext > 0 else 1.0
 
 
@@ -349,7 +349,11 @@ def _layout(arrs: Sequence[np.ndarray], c: RenderConfig) -> tuple[np.ndarray, fl
     allp = np.concatenate(arrs)
     lo = allp.min(0)
     ext = np.ptp(allp, axis=0)
-    f = c.stroke_size / stroke_scale(arrs)  # pixels per device unit
+    scale = stroke_scale(arrs)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = c.stroke_size / scale  # pixels per device unit
+        if not (math.isfinite(f) and np.isfinite(ext * f).all()):  # strokes of 1e-300 units, say
+            raise TellkitError(f"strokes: too small to draw (the median stroke spans {scale:.3g} units)")
 
     def size_at(f: float) -> tuple[int, int]:
         return (int(math.ceil(ext[0] * f + c.line_width)) + 2 * c.margin,

@@ -35,5 +35,8 @@ def export_reference(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     ckpt = mod.to_reference(asdict(model.config), model.state_dict())
     buf = io.BytesIO()
     torch.save(ckpt, buf)
-    atomic_write_bytes(out, buf.getvalue())
+    try:
+        atomic_write_bytes(out, buf.getvalue())
+    except OSError as exc:  # a read-only folder, a full disk
+        raise TellkitError(f"{out}: cannot write there ({exc.strerror or exc})") from None
     return out

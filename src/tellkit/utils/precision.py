@@ -212,7 +212,9 @@ def resolve_device(spec: str | torch.device | None = None) -> torch.device:
     elif dev.type == "mps":
         if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
             raise TellkitError(f"device {spec!s}: MPS is not available here")
-    elif dev.type not in ("cpu", "meta"):
+    elif dev.type == "meta":  # shapes without data: nothing could be computed or written
+        raise TellkitError(f"device {spec!s}: the meta device holds no data (use cpu, cuda or cuda:N)")
+    elif dev.type != "cpu":
         raise TellkitError(f"unsupported device {spec!s} (use cpu, cuda or cuda:N)")
     return dev
 

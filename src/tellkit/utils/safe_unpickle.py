@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import warnings
 import zipfile
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -213,6 +214,14 @@ def check_zip_sizes(p: str | os.PathLike, max_bytes: int) -> None:
                            f"{max_bytes / 2**30:.1f} GiB limit (TELLKIT_MAX_MODEL_BYTES)")
 
 
+def _is_torchscript(p: Path) -> bool:
+    try:
+        with zipfile.ZipFile(p) as archive:
+            return any(n == "constants.pkl" or n.endswith("/constants.pkl") for n in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
 def read_pickled_checkpoint(path: str | os.PathLike, max_bytes: int) -> dict[str, Any]:
     """Read a reference ``.ckpt`` / ``.th`` / ``.pt`` file without executing any of its code:
     ``torch.load(weights_only=True)`` first; a file that also holds other classes (a Lightning
@@ -229,8 +238,13 @@ def read_pickled_checkpoint(path: str | os.PathLike, max_bytes: int) -> dict[str
         check_zip_sizes(p, max_bytes)
     elif p.stat().st_size > max_bytes:
         raise TellkitError(f"{p}: {p.stat().st_size / 2**30:.1f} GiB, over the limit (TELLKIT_MAX_MODEL_BYTES)")
+    if zipfile.is_zipfile(p) and _is_torchscript(p):
+        raise TellkitError(f"{p}: a TorchScript archive (compiled code), not a checkpoint of tensors; "
+                           "save the model's state dict instead")
     try:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's warnings about a file name its own install path
+            warnings.simplefilter("ignore")
+            obj = torch.load(p, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         obj = _load_zip_checkpoint(p)
     except (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, TypeError) as exc:

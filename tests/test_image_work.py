@@ -146,12 +146,12 @@ def test_server_answers_422_image_too_complex():
 
     class Recognizer:
         info = {"name": "stub-math", "trained": False, "checkpoint": None}
-        task = "recognize"
+        task, api_text = "recognize", "latex"
 
         def __call__(self, images):
             return [{"text": "x", "tokens": ["x"], "score": 0.0} for _ in images]
 
-    app = create_app(None, Recognizer(), Limits(), serve_page=False)
+    app = create_app({"recognize": Recognizer()}, Limits(), serve_page=False)
     with ServerThread(app) as srv:
         t0 = time.monotonic()
         s, body = post(srv.url + "/api/recognize", files={"image": ("b.jpg", scan_bomb(), "image/jpeg")})

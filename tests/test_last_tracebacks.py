@@ -59,7 +59,7 @@ def test_tiny_strokes_over_http_are_422():
     from tellkit.server.app import create_app
     from tellkit.server.limits import Limits
 
-    app = create_app(None, RecognitionPipeline.untrained(), Limits(), serve_page=False)
+    app = create_app({"recognize": RecognitionPipeline.untrained()}, Limits(), serve_page=False)
     with TestClient(app) as client:
         r = client.post("/api/recognize", data={"strokes": json.dumps(DENORMAL)})
         assert r.status_code == 422 and "too small to draw" in r.json()["detail"], r.text

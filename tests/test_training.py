@@ -289,6 +289,15 @@ def test_cli_train_then_evaluate(tmp_path, capsys):
     assert main(["evaluate", str(tmp_path / "nope"), "--split", "test"]) == 2
     assert main(["train", str(cfg), "train.optimizer=sgd", "--out", str(tmp_path / "r2")]) == 2
     assert "train.optimizer must be one of" in capsys.readouterr().err
+    # evaluate refuses an unknown model key as train does, and a model setting it would ignore
+    assert main(["train", str(cfg), "model.zzz=1", "--out", str(tmp_path / "r3")]) == 2
+    train_err = capsys.readouterr().err.strip()
+    assert "unknown key(s) zzz" in train_err
+    assert main(["evaluate", str(out), "model.zzz=1", "--split", "test"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.split(": error: ", 1)[1] == train_err.split(": error: ", 1)[1] and len(err.splitlines()) == 1
+    assert main(["evaluate", str(out), "model.dim=16", "--split", "test"]) == 2
+    assert "model.dim: the model is rebuilt from the checkpoint" in capsys.readouterr().err
 
 
 def test_sigterm_saves_and_stops_then_resumes(tmp_path):

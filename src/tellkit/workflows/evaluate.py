@@ -22,6 +22,7 @@ from tellkit.checkpoint import load_model, read_checkpoint_config, resolve_check
 from tellkit.config import deep_merge, parse_overrides
 from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, SPLITS, eval_batch_size, section, task_key
+from tellkit.registry import build_config
 from tellkit.tasks import make_task
 from tellkit.training import distributed
 from tellkit.training.evaluation import run_eval, write_eval_outputs
@@ -76,6 +77,18 @@ def default_eval_dir(checkpoint: Path) -> Path:
     return Path("runs") / "eval" / checkpoint.resolve().name
 
 
+def check_model_overrides(recipe: Mapping[str, Any], changed: Any, ckpt: Path) -> None:
+    """``model.key=value`` given to an evaluation: an unknown key or a bad value is refused as
+    ``tellkit train`` refuses it; a known key that differs from the checkpoint's is refused too,
+    since the model is rebuilt from the checkpoint as it was trained (it would be ignored)."""
+    build_config(recipe)  # the one error train gives: unknown keys, bad values
+    stored = read_checkpoint_config(ckpt).get("config") or {}
+    differ = sorted(k for k, v in dict(changed).items() if k != "name" and stored.get(k) != v)
+    if differ:
+        raise TellkitError(f"model.{differ[0]}: the model is rebuilt from the checkpoint as trained, so its "
+                           "model settings cannot change at evaluation (generation settings: eval.*)")
+
+
 def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, data: str | None = None,
                         overrides: Sequence[str] | Mapping[str, Any] | None = None,
                         out: str | os.PathLike | None = None,
@@ -104,6 +117,8 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
     if overrides:
         extra = parse_overrides(list(overrides)) if not isinstance(overrides, Mapping) else overrides
         recipe = deep_merge(recipe, extra)
+        if "model" in extra:
+            check_model_overrides(recipe, extra["model"], ckpt)
     if (recipe.get("data") or {}).get("augment"):
         # evaluation never augments: a stored recipe's training augmentation (pen-stroke keys, say)
         # must not keep a model from reading other data (bitmaps with data.layout=tsv)

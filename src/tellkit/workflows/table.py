@@ -22,6 +22,7 @@ from tellkit.tasks.captioning import model_contexts
 from tellkit.training.loop import logged_train_seconds, train
 from tellkit.training.task import Task
 from tellkit.utils.files import atomic_write_json
+from tellkit.utils.runlock import check_not_running
 from tellkit.workflows.evaluate import evaluate_checkpoint
 
 
@@ -129,6 +130,7 @@ def table_row(path: str | os.PathLike, opts: TableOptions, log: Callable[[str], 
         return {**row, "published": published}
     resume = (run_dir / "checkpoints").exists()
     if resume and opts.rerun:
+        check_not_running(run_dir)  # never delete a run another process is training
         shutil.rmtree(run_dir)
         resume = False
     log(f"{label}: {'resuming' if resume else 'training'} {cfg_path} -> {run_dir}")

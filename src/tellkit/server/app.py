@@ -38,7 +38,15 @@ from tellkit.pipelines.recognition import Strokes
 from tellkit.server.backends import batch_function, bound_generation, public_info, served_models
 from tellkit.server.batching import BatchWorker, MemoryBudget, PriorityPool, QueueFull
 from tellkit.server.budget import FIXED_BYTES, Cost, PrepareOnce, preparer
-from tellkit.server.limits import Limits, RequestError, check_article, check_framing, decode_image, multipart_boundary
+from tellkit.server.limits import (
+    Limits,
+    RequestError,
+    check_article,
+    check_framing,
+    check_range,
+    decode_image,
+    multipart_boundary,
+)
 from tellkit.server.samples import sample_file, sample_index
 from tellkit.utils.optional import require
 
@@ -280,7 +288,7 @@ class _RequestGuard:
         version = str(scope.get("http_version", "1.1"))
         if version not in ("1.0", "1.1"):
             return RequestError(505, "http_version_not_supported", f"HTTP/{version[:8]} is not served; use HTTP/1.1")
-        refusal = check_framing(headers, self.limits)
+        refusal = check_framing(headers, self.limits) or check_range(scope, headers)
         if refusal is None and api and self.counters["receiving"] >= self.limits.max_receiving:
             refusal = RequestError(503, "busy", f"{self.limits.max_receiving} uploads are arriving; retry shortly",
                                    retry_after=5)
@@ -368,7 +376,9 @@ def create_app(models: Mapping[str, Any] | None = None, limits: Limits | None = 
         # a text field may use up to 4 UTF-8 bytes per character; the guard counts characters
         part = max(4 * limits.max_article_chars, limits.max_stroke_chars) + 4
         extra["form_limits"] = {"max_part_size": part, "max_files": 4, "max_fields": 16}
+    # redirect_slashes off: starlette builds the redirect of /api/caption/ from the Host header
     app = fastapi.FastAPI(title="tellkit", version=_version(), docs_url=None, redoc_url=None, lifespan=lifespan,
+                          redirect_slashes=False,
                           description="Transform and Tell captions and BTTR handwritten-math recognition.", **extra)
     app.state.workers, app.state.limits, app.state.models, app.state.budget = workers, limits, models, budget
     counters = {"inflight": 0, "receiving": 0}
@@ -418,6 +428,9 @@ def add_error_handlers(app, limits: Limits) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req, exc: StarletteHTTPException):
         detail = str(exc.detail)
+        if exc.status_code == 400 and detail.startswith("Field exceeded maximum size"):  # urlencoded
+            return JSONResponse({"error": "field_too_long", "detail": "a form field is over the limit of "
+                                 f"{limits.max_article_chars:,} characters"}, status_code=413)
         if exc.status_code == 400 and detail.startswith("Part exceeded maximum size"):
             # the form parser's own text-field cap (a FastAPI without form_limits)
             return JSONResponse({"error": "article_too_long", "detail": f"the article is over the limit of "

@@ -8,6 +8,7 @@ from the header BEFORE any pixel is decoded (a small file that expands to a huge
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from tellkit.recipes import MAX_BEAM_SIZE, MAX_GENERATION_LEN
@@ -145,6 +146,27 @@ def check_framing(headers: dict, limits: Limits) -> RequestError | None:
         if boundary is not None and len(boundary) > MAX_BOUNDARY:
             return RequestError(400, "bad_request", f"the multipart boundary has {len(boundary):,} characters, "
                                 f"over the limit of {MAX_BOUNDARY}")
+    return None
+
+
+_RANGE = re.compile(rb"\s*(\d*)\s*-\s*(\d*)\s*")
+
+
+def check_range(scope, headers: dict) -> RequestError | None:
+    """A GET whose Range header asks for a range that ends before it starts (``bytes=100-1``):
+    416 JSON, before the file is opened (the static-file server answered a text/plain 400)."""
+    value = headers.get(b"range")
+    if value is None or scope.get("method") not in ("GET", "HEAD"):
+        return None
+    unit, _, specs = value.partition(b"=")
+    if unit.strip().lower() != b"bytes":
+        return None
+    for spec in specs.split(b","):
+        m = _RANGE.fullmatch(spec)
+        backwards = m is not None and m.group(1) and m.group(2) and int(m.group(1)) > int(m.group(2))
+        if m is None or backwards or m.group(1) == m.group(2) == b"":
+            return RequestError(416, "range_not_satisfiable", f"Range {value.decode('latin-1')[:80]!r}: a byte "
+                                "range must be FIRST-LAST with FIRST <= LAST, FIRST-, or -SUFFIX")
     return None
 
 

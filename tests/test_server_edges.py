@@ -52,3 +52,41 @@ def test_a_5_mb_urlencoded_field_is_413(server):
     status, headers, body = ask(server, "POST", "/api/caption", b"article=" + b"a" * 5_000_000,
                                 {"Content-Type": "application/x-www-form-urlencoded"})
     assert status == 413 and b"field_too_long" in body, body[:200]
+
+
+def test_bodies_held_across_connections_are_capped_with_503_retry_after():
+    import json
+    import socket
+    import time
+
+    from tellkit.server.runner import encode_multipart, post
+
+    app = create_app({"recognize": StubRecognizer()}, Limits(max_buffered_mb=1, body_idle_timeout_s=5),
+                     serve_page=False)
+    with ServerThread(app) as srv:
+        host, port = srv.url.split("//")[1].split(":")
+        data, ctype = encode_multipart({"strokes": "x" * 700_000})
+        head = (f"POST /api/recognize HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        held = socket.create_connection((host, int(port)))
+        held.sendall(head + data[:-200])  # 700 kB held, the last bytes never sent
+        time.sleep(0.5)
+        health = json.loads(ask(srv, "GET", "/health")[2])
+        assert health["buffered_bytes"] >= 600_000, health
+        status, headers, body = ask(srv, "POST", "/api/recognize", data, {"Content-Type": ctype})
+        assert status == 503 and b'"busy"' in body and int(headers["retry-after"]) >= 1, (status, body[:200])
+        held.close()
+        time.sleep(0.5)
+        assert json.loads(ask(srv, "GET", "/health")[2])["buffered_bytes"] == 0
+        s, b = post(srv.url + "/api/recognize", files={"image": ("a.png", _png(), "image/png")})
+        assert s == 200, b
+
+
+def _png():
+    import io
+
+    from PIL import Image
+
+    b = io.BytesIO()
+    Image.new("RGB", (64, 48), (120, 120, 120)).save(b, "PNG")
+    return b.getvalue()

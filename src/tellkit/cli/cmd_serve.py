@@ -52,6 +52,9 @@ def add_arguments(p) -> None:
     p.add_argument("--memory-budget-mb", type=int, default=384,
                    help="estimated model working memory of the batches running at once, both models together; "
                    "an input larger than this runs alone (default 384)")
+    p.add_argument("--max-buffered-mb", type=int, default=128,
+                   help="request bodies held by all connections at once; a body that would pass it is refused "
+                   "with 503 and Retry-After before more is read (default 128)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--api-only", action="store_true", help="serve the API without the page")
     add_encoder_argument(p)
@@ -130,7 +133,7 @@ LIMIT_FLAGS = {"max_upload_bytes": "--max-upload-mb", "max_image_pixels": "--max
                "max_decoding": "--max-decoding", "header_timeout_s": "--header-timeout",
                "body_idle_timeout_s": "--body-idle-timeout", "body_timeout_s": "--body-timeout",
                "max_beam_size": "--max-beam-size", "max_gen_len": "--max-gen-len",
-               "memory_budget_mb": "--memory-budget-mb"}
+               "memory_budget_mb": "--memory-budget-mb", "max_buffered_mb": "--max-buffered-mb"}
 
 
 def serve_limits(args):
@@ -147,7 +150,7 @@ def serve_limits(args):
                       max_decoding=args.max_decoding, header_timeout_s=args.header_timeout,
                       body_idle_timeout_s=args.body_idle_timeout, body_timeout_s=args.body_timeout,
                       max_beam_size=args.max_beam_size, max_gen_len=args.max_gen_len,
-                      memory_budget_mb=args.memory_budget_mb)
+                      memory_budget_mb=args.memory_budget_mb, max_buffered_mb=args.max_buffered_mb)
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
         raise TellkitError(f"{LIMIT_FLAGS.get(field, field)} {rest}") from None

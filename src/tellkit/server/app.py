@@ -151,8 +151,9 @@ class _Body:
     set when one is hit. ``admit`` is called once, when the last byte of the body has arrived
     (a RequestError it returns refuses the request then)."""
 
-    def __init__(self, receive, limits: Limits, content_type: bytes | None, admit=None):
+    def __init__(self, receive, limits: Limits, content_type: bytes | None, admit=None, held: dict | None = None):
         self._receive, self.limits, self.admit = receive, limits, admit
+        self.held = held if held is not None else {"buffered": 0}  # bytes of bodies held, all connections
         self.seen, self.done, self.t0 = 0, False, None
         self.refusal: RequestError | None = None
         self.discard_rest = False
@@ -200,7 +201,11 @@ class _Body:
             self.done = True
             return msg
         chunk = msg.get("body", b"")
+        if self.held["buffered"] + len(chunk) > self.limits.max_buffered_bytes:
+            self.refuse(RequestError(503, "busy", f"the server holds {self.limits.max_buffered_mb} MiB of request "
+                                     "bodies; retry shortly", retry_after=5), discard_rest=True)
         self.seen += len(chunk)
+        self.held["buffered"] += len(chunk)  # given back by release() when the request ends
         self.done = not msg.get("more_body", False)
         if self.seen > self.limits.max_upload_bytes:
             self.refuse(_too_large(self.limits), discard_rest=True)
@@ -213,6 +218,11 @@ class _Body:
             if err is not None:
                 self.refuse(err, discard_rest=False)
         return msg
+
+    def release(self) -> None:
+        """The request has ended: its body no longer counts against ``max_buffered_mb``."""
+        self.held["buffered"] -= self.seen
+        self.seen = 0
 
     async def discard(self) -> None:
         """Read and drop the rest of the body (at most ``max_discard_bytes``, within the body
@@ -283,6 +293,7 @@ class _RequestGuard:
     def __init__(self, app, limits: Limits, counters: dict):
         self.app, self.limits, self.counters = app, limits, counters
         counters.setdefault("receiving", 0)
+        counters.setdefault("buffered", 0)
 
     def _refusal(self, scope, headers: dict, api: bool) -> RequestError | None:
         version = str(scope.get("http_version", "1.1"))
@@ -302,7 +313,7 @@ class _RequestGuard:
         refusal = self._refusal(scope, headers, api)
         slot = _Slot(self.counters, self.limits) if api and refusal is None else None
         body = _Body(receive, self.limits, headers.get(b"content-type") if refusal is None else None,
-                     admit=slot.admit if slot is not None else None)
+                     admit=slot.admit if slot is not None else None, held=self.counters)
         if refusal is not None:
             # a client waiting for "100 Continue" has not sent its body: answer at once; a body
             # whose framing is in doubt is not read (the connection closes after the answer)
@@ -328,6 +339,7 @@ class _RequestGuard:
             if body.refusal is None:
                 raise
         finally:
+            body.release()
             if slot is not None:
                 slot.leave()
         if body.refusal is not None and not started:
@@ -381,7 +393,7 @@ def create_app(models: Mapping[str, Any] | None = None, limits: Limits | None = 
                           redirect_slashes=False,
                           description="Transform and Tell captions and BTTR handwritten-math recognition.", **extra)
     app.state.workers, app.state.limits, app.state.models, app.state.budget = workers, limits, models, budget
-    counters = {"inflight": 0, "receiving": 0}
+    counters = {"inflight": 0, "receiving": 0, "buffered": 0}
     add_error_handlers(app, limits)
     add_routes(app, models, workers, counters, ModelRunner(workers, limits, costs), reader, serve_page)
     app.add_middleware(_RequestGuard, limits=limits, counters=counters)
@@ -598,7 +610,8 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
     def health() -> dict:
         return {"status": "ok", "version": _version(), "models": models,
                 "workers": {k: w.snapshot() for k, w in workers.items()}, "inflight": counters["inflight"],
-                "receiving": counters["receiving"], "memory_budget": _budget_info(app.state.budget),
+                "receiving": counters["receiving"], "buffered_bytes": counters["buffered"],
+                "memory_budget": _budget_info(app.state.budget),
                 "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__}}
 
     @app.post("/api/caption", tags=["models"], summary="Caption an image, optionally in the context of an article",

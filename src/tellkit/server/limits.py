@@ -27,6 +27,7 @@ SETTING_CAPS = {"max_upload_bytes": 1 << 30, "max_image_pixels": 64_000_000, "ma
                 "caption_max_side": 8192, "math_max_side": 8192, "max_beam_size": MAX_BEAM_SIZE,
                 "max_gen_len": MAX_GENERATION_LEN, "max_search_rows": 65_536, "max_stroke_count": 1_000_000,
                 "max_stroke_points": 10_000_000, "max_stroke_chars": 1 << 30, "memory_budget_mb": 1 << 20,
+                "max_buffered_mb": 1 << 20,
                 "request_timeout_s": 3600.0, "header_timeout_s": 3600.0, "body_idle_timeout_s": 3600.0,
                 "body_timeout_s": 3600.0, "body_grace_s": 3600.0, "min_body_rate": 1 << 30}
 
@@ -57,12 +58,13 @@ class Limits:
     max_stroke_points: int = 100_000            # points in all its strokes
     max_stroke_chars: int = 5_000_000           # characters of the 'strokes' field (~40 a point at full precision)
     memory_budget_mb: int = 384                 # estimated model working memory of the batches running at once
+    max_buffered_mb: int = 128                  # request bodies held by all connections at once; beyond: 503
 
     def __post_init__(self):
         for name in ("max_upload_bytes", "max_image_pixels", "max_article_chars", "max_queue", "max_inflight",
                      "max_receiving", "max_decoding", "caption_max_side", "math_max_side", "max_beam_size",
                      "max_gen_len", "max_search_rows", "max_stroke_count", "max_stroke_points", "max_stroke_chars",
-                     "memory_budget_mb", "min_body_rate"):
+                     "memory_budget_mb", "max_buffered_mb", "min_body_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= SETTING_CAPS[name]:
                 raise ValueError(f"{name} must be a whole number from 1 to {SETTING_CAPS[name]:,}, got {v!r}")
@@ -78,6 +80,10 @@ class Limits:
     @property
     def memory_budget_bytes(self) -> int:
         return self.memory_budget_mb << 20
+
+    @property
+    def max_buffered_bytes(self) -> int:
+        return self.max_buffered_mb << 20
 
 
 class RequestError(Exception):

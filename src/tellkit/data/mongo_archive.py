@@ -245,10 +245,12 @@ def _prelude(r: _Reader) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def iter_documents(path: str | os.PathLike, namespaces: set[str] | None = None,
-                   skip_fields: Iterable[str] = (), ids: set | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+                   skip_fields: Iterable[str] = (), ids: set | None = None,
+                   raw: set[str] | frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
     """Yield ``("db.collection", document)`` for every document of the wanted namespaces;
     ``skip_fields``: field names not to decode (e.g. NYTimes800k's bulky ``parts_of_speech``);
-    ``ids``: only documents whose ``_id`` (read without decoding the rest) is in it."""
+    ``ids``: only documents whose ``_id`` (read without decoding the rest) is in it; ``raw``:
+    namespaces whose documents are yielded as their BSON bytes, undecoded."""
     with _open(path) as s:
         r = _Reader(s, str(path), skip_fields)
         _prelude(r)
@@ -265,7 +267,7 @@ def iter_documents(path: str | os.PathLike, namespaces: set[str] | None = None,
                 continue
             want = namespaces is None or ns in namespaces
             while True:
-                doc = r.block(decode=want and ids is None)
+                doc = r.block(decode=want and ids is None and ns not in raw)
                 if doc is None:
                     break
                 if doc == b"":
@@ -273,6 +275,7 @@ def iter_documents(path: str | os.PathLike, namespaces: set[str] | None = None,
                 if want and ids is not None:
                     if peek_id(doc) not in ids:  # type: ignore[arg-type]
                         continue
-                    doc = decode_document(doc, r.skip)  # type: ignore[arg-type]
+                    if ns not in raw:
+                        doc = decode_document(doc, r.skip)  # type: ignore[arg-type]
                 if want:
                     yield ns, doc  # type: ignore[misc]

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from tellkit.data.mongo_archive import iter_documents
+from tellkit.data.news_store import NewsStore
 from tellkit.data.sample import CaptionSample
 from tellkit.encoders.context import split_parsed_section
 from tellkit.errors import TellkitError
@@ -116,23 +117,73 @@ def load_nytimes_archive(
     db: str = "nytimes",
     objects: bool = False,
     limit: int | None = None,
+    index: bool = True,
+    progress: bool = True,
 ) -> list[CaptionSample]:
     """Samples of ``split`` (None = all) from a mongodump archive of the ``nytimes`` database.
     ``image_root``: the images' folder; by default ``images_processed`` beside the archive when
-    it exists (the release's layout). With ``objects``, a second pass reads collection
-    ``objects`` for the chosen images only (each document is 64 x 2048 numbers at most: only
-    the needed ones are kept)."""
+    it exists (the release's layout). ``index`` (default): the archive is scanned once into an
+    embedded index (:mod:`tellkit.data.news_store`, with a progress bar unless ``progress`` is
+    false) and every later split is read from it by key; with ``objects`` each sample's object
+    vectors stay in the index until used (:class:`StoredVectors`). ``index=False``: a scan of the
+    archive per call, with a second pass that reads the chosen images' objects into memory."""
 
     if image_root is None and (Path(path).parent / "images_processed").is_dir():
         image_root = Path(path).parent / "images_processed"
-
-    docs = (doc for _, doc in iter_documents(path, {f"{db}.articles"}, skip_fields=("parts_of_speech",)))
+    store = NewsStore.for_source(path, "nytimes800k", db=db, progress=progress) if index else None
+    if store is not None:
+        docs: Iterable[dict[str, Any]] = store.articles(
+            None if split is None else [k for k, v in SPLITS.items() if v == split])
+    else:
+        docs = (doc for _, doc in iter_documents(path, {f"{db}.articles"}, skip_fields=("parts_of_speech",)))
     samples = _collect(docs, split, image_root, limit)
     if not samples and limit != 0:
         raise TellkitError(f"{path}: no {split or ''} captions in {db}.articles".replace("  ", " "))
-    if objects:
+    if objects and store is not None:
+        for s in samples:
+            if s.image_id and store.has_objects(s.image_id):
+                s.extra["objects"] = StoredVectors(store, s.image_id)
+    elif objects:
         attach_objects(samples, read_archive_objects(path, {s.image_id for s in samples}, db))
     return samples
+
+
+class StoredVectors:
+    """One image's object vectors, left in the index until used: ``np.asarray(v)`` (and
+    ``shape``, ``dtype``, indexing) read them; nothing is kept in memory in between."""
+
+    def __init__(self, store: NewsStore, image_id: str):
+        self.store, self.image_id = store, str(image_id)
+
+    def load(self) -> np.ndarray:
+        doc = self.store.object_document(self.image_id)
+        if doc is None:
+            raise TellkitError(f"{self.store.path}: no objects for image {self.image_id}")
+        return vectors(doc.get("object_features"), OBJECT_DIM, MAX_OBJECTS, f"objects of image {self.image_id}")
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        a = self.load()
+        return a if dtype is None else a.astype(dtype)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.load().shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float32)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key):
+        return self.load()[key]
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers reopen the index by path
+        return {"path": str(self.store.path), "image_id": self.image_id}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.store, self.image_id = NewsStore(state["path"]), state["image_id"]
 
 
 def read_archive_objects(path: str | os.PathLike, hashes: set[str] | None, db: str) -> dict[str, np.ndarray]:

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tellkit.encoders.context import build_context
@@ -118,6 +119,8 @@ class CaptionInput:
 
 
 def _as_set(values, dim: int, limit: int | None, what: str) -> torch.Tensor:
+    if hasattr(values, "__array__") and not isinstance(values, torch.Tensor):  # e.g. vectors read on demand
+        values = np.asarray(values, dtype=np.float32)
     x = torch.as_tensor(values, dtype=torch.float32)
     if x.numel() == 0:
         return torch.zeros(0, dim)

@@ -211,13 +211,16 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, cfg: FeatureConfig | None = None,
                      *, overwrite: bool = False, progress: bool = True,
                      log: Callable[[str], None] | None = None, dropped: Sequence[dict] = (),
-                     shard: tuple[int, int] | None = None) -> dict:
+                     shard: tuple[int, int] | None = None,
+                     check: Callable[[EncoderBundle], None] | None = None) -> dict:
     """Encode ``items`` into shards under ``out_dir`` (resuming a previous run); returns the summary.
     ``dropped``: photos the data set's loader left out before extraction ({"id", "path",
     "reason", "message"}, e.g. an empty caption), counted with the skipped ones. ``shard`` (I, N):
     this process computes only shards k with k % N == I (:mod:`tellkit.encoders.shards`); every
     shard is claimed with a lock file first, so processes sharing ``out_dir`` never compute the
-    same one. The summary's ``complete`` says whether every shard exists once this process is done
+    same one. ``check``: called with the encoders before the first image is encoded (a model's
+    size check: nothing is extracted for a model the encoders do not fit). The summary's
+    ``complete`` says whether every shard exists once this process is done
     (``missing_shards``: how many do not: other processes' or not yet computed)."""
     from safetensors.torch import save_file  # heavy
 
@@ -268,7 +271,10 @@ def extract_features(items: Sequence[FeatureItem], out_dir: str | os.PathLike, c
             try:
                 if path.exists():  # finished by another process since the scan
                     continue
-                bundle = bundle or _bundle(cfg)
+                if bundle is None:
+                    bundle = _bundle(cfg)
+                    if check is not None:
+                        check(bundle)
                 chunk = items[k * cfg.shard_size:(k + 1) * cfg.shard_size]
                 t1 = time.perf_counter()
                 tensors, ids, skipped = _encode_shard(chunk, bundle, cfg, on_item)

@@ -412,11 +412,12 @@ def cached_features(task: CaptioningTask, samples: list[CaptionSample], split: s
     items: dict[str, CaptionInput] = {}
     for s in samples:
         items.setdefault(s.image_id or s.id, sample_input(s, mode))
-    # the encoders must give what the model reads before anything is extracted
-    task.bundle.check_model(build_config({"name": task.model_cfg.get("name"), **task.model_cfg})[1])
     ddp = dist.is_available() and dist.is_initialized()
     if not ddp or dist.get_rank() == 0:  # reuses finished shards; refuses another configuration
-        extract_features(list(items.values()), directory, feature_config(task), progress=progress)
+        model_config = build_config({"name": task.model_cfg.get("name"), **task.model_cfg})[1]
+        # the encoders must give what the model reads: checked before the first shard is encoded
+        extract_features(list(items.values()), directory, feature_config(task), progress=progress,
+                         check=lambda bundle: bundle.check_model(model_config))
     if ddp:
         dist.barrier()
     return FeatureStore(directory)

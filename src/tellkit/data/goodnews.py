@@ -19,6 +19,9 @@ Captions are cleaned as the reference cleaned them before training and scoring: 
 ``objects``: a mongodump archive holding ``goodnews.objects`` (``_id`` = ``<article id>_<index>``,
 ``object_features``), as the reference's YOLOv3 pass wrote it; its vectors become
 ``sample.extra["objects"]`` (float32 [O, 2048]). The public release ships none.
+
+``captioning_dataset.json`` is parsed once into an embedded index (:mod:`tellkit.data.news_store`,
+in the user cache, rebuilt when the file changes); every later read comes from it.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from tellkit.data.news_store import NewsStore
 from tellkit.data.nytimes import attach_objects, read_archive_objects
 from tellkit.data.sample import CaptionSample
 from tellkit.errors import TellkitError
@@ -94,14 +98,17 @@ def goodnews_splits(articles: dict[str, Any], seed: int = SPLIT_SEED) -> dict[st
 
 def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_dir: str | None = None,
                   limit: int | None = None, clean_captions: bool = True,
-                  objects: str | os.PathLike | None = None, dropped: list[dict] | None = None) -> list[CaptionSample]:
+                  objects: str | os.PathLike | None = None, dropped: list[dict] | None = None,
+                  progress: bool = True) -> list[CaptionSample]:
     """The captions of ``split`` (None: all) as samples. ``dropped``: a list that receives each
     photo of the split left out because its caption is empty once cleaned ({"id", "path",
     "reason": "empty caption", "message"}), so that a feature pass can count it."""
     root = Path(root)
-    articles = _read_json(root / "captioning_dataset.json")
-    if not isinstance(articles, dict):
-        raise TellkitError(f"{root}: GoodNews files must hold JSON objects")
+    if not (root / "captioning_dataset.json").is_file():
+        raise TellkitError(f"GoodNews: {root / 'captioning_dataset.json'} not found")
+    # the JSON is parsed once into the embedded index (tellkit.data.news_store); later reads come from it
+    store = NewsStore.for_source(root, "goodnews", progress=progress)
+    articles = {a.pop("_id"): a for a in store.articles()}
     if (root / "img_splits.json").is_file():
         splits = _read_json(root / "img_splits.json")
     elif split is None:  # no split file: every caption, in no split

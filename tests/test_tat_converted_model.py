@@ -132,3 +132,28 @@ def test_paper_size_checkpoint_converts_and_runs_caption_and_evaluate(paper_chec
     res = tellkit_cli("evaluate", conv, "--data", data, "--split", "test", "--out", tmp_path / "eval2")
     assert res.returncode == 2 and "RoBERTa-large" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
+
+
+def test_serve_passes_its_encoder_flags_to_the_captioner(tmp_path):
+    """`tellkit serve --model caption=DIR --encoder article=...`: the local copy reaches the
+    captioner's encoders (a folder that does not exist is named); without it, RoBERTa-large is."""
+    import argparse
+
+    from tellkit.cli import cmd_serve
+
+    m = tellkit.create_model("tat/tiny", **{**TINY, "article_dim": 1024, "article_layers": 25, "face_dim": 512},
+                             contexts=["image", "article"])
+    torch.save(reference_state(m), tmp_path / "best.th")
+    assert tellkit_cli("convert", tmp_path / "best.th", "-o", "num_heads=4", "--out", tmp_path / "conv").returncode == 0
+
+    def args(*argv):
+        p = argparse.ArgumentParser()
+        cmd_serve.add_arguments(p)
+        return p.parse_args(["--models", "caption", "--model", f"caption={tmp_path / 'conv'}", *argv])
+
+    with pytest.raises(tellkit.TellkitError, match="RoBERTa-large cannot be loaded") as info:
+        cmd_serve.load_backends(args("--encoder", "image_weights=random"))
+    assert "\n" not in str(info.value) and "ResNet-152" not in str(info.value)  # image_weights reached it
+    missing = tmp_path / "no-roberta-here"
+    with pytest.raises(tellkit.TellkitError, match=str(missing)):
+        cmd_serve.load_backends(args("--encoder", "image_weights=random", "--encoder", f"article={missing}"))

@@ -19,6 +19,7 @@ installed, tiny untrained ones (``--untrained``) otherwise; the JSON says which.
     tellkit bench serve_load            # writes bench/results/serve_load.json
     python -m tellkit.bench.serve_load --requests 96 --concurrency 8 --out bench/results
     python -m tellkit.bench.serve_load --attack-only   # only the attack: bench/results/serve_attack.json
+    python -m tellkit.bench.serve_load --held-only     # 64 stalled 5 MB uploads + 16 heavy requests
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from typing import Any
 
 from tellkit.bench import machine
 from tellkit.recipes import packaged_default
-from tellkit.server.runner import free_port, post
+from tellkit.server.runner import encode_multipart, free_port, post
 from tellkit.utils.files import atomic_write_json
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -276,6 +277,123 @@ def attack(url: str, pid: int, photo: tuple, math: bytes, n_noise: int = 16, n_s
     }
 
 
+# --- held uploads: many large bodies that stall, with a mix of heavy requests at once ---------------
+def strokes_body(target_bytes: int = 4_900_000) -> tuple[bytes, str]:
+    """A multipart body whose ``strokes`` field is ~``target_bytes`` of valid JSON strokes."""
+    stroke = "[[12.5,40.25],[13.75,41.5],[15.0,43.125],[16.25,44.0]]"
+    n = max(1, target_bytes // (len(stroke) + 1))
+    return encode_multipart({"strokes": "[" + ",".join([stroke] * n) + "]"})
+
+
+def _held_upload(url: str, data: bytes, ctype: str, hold_s: float, log: list) -> None:
+    """Send all of a body but its last 200 bytes, then wait for the answer (the server cuts the
+    stalled body); log (status line, seconds)."""
+    host, port = url.split("//")[1].split(":")
+    t0 = time.monotonic()
+    head = (f"POST /api/recognize HTTP/1.1\r\nHost: {host}\r\nContent-Type: {ctype}\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode()
+    status = "no answer"
+    try:
+        with socket.create_connection((host, int(port)), timeout=hold_s + 30) as s:
+            s.sendall(head + data[:-200])
+            first = s.recv(64)
+            status = first.split(b"\r\n", 1)[0].decode("latin-1", "replace")[9:12] or "closed"
+    except OSError as exc:
+        status = type(exc).__name__
+    log.append((status, round(time.monotonic() - t0, 1)))
+
+
+def mixed_requests() -> list[tuple[str, dict, dict]]:
+    """The 16 heavy requests of the mix: noise images, a 16-bit 4000x4000 PNG, 100,000 stroke
+    points, 4.99 M characters of ``{}``, a 20,000-character article (path, fields, files)."""
+    import numpy as np  # heavy
+
+    photos, _ = _inputs()
+    rng = np.random.default_rng(0)
+    points = json.dumps([[[float(x), float(y)] for x, y in rng.random((50, 2)) * 600] for _ in range(2_000)])
+    article = ("word " * 4_000)[:20_000]
+    big = large_png()
+    mix = []
+    for i in range(16):
+        kind = i % 5
+        if kind == 0:
+            mix.append(("/api/recognize", {}, {"image": ("noise.png", noise_png(300, i), "image/png")}))
+        elif kind == 1:
+            mix.append(("/api/recognize", {}, {"image": ("large.png", big, "image/png")}))
+        elif kind == 2:
+            mix.append(("/api/recognize", {"strokes": points}, {}))
+        elif kind == 3:
+            mix.append(("/api/recognize", {"strokes": "{}" * 2_495_000}, {}))
+        else:
+            name, data, _ = photos[0]
+            mix.append(("/api/caption", {"article": article}, {"image": (name, data, "image/jpeg")}))
+    return mix
+
+
+def held_uploads(url: str, pid: int, n_held: int = 64, held_bytes: int = 4_900_000, settle_s: float = 30.0,
+                 hold_s: float = 15.0, mixed: bool = True) -> dict[str, Any]:
+    """``n_held`` connections each send ~``held_bytes`` of strokes and stall before the last 200
+    bytes, while the 16 requests of :func:`mixed_requests` run at once; -> the server's idle, peak
+    and later resident memory (MiB) and every answer's status."""
+    data, ctype = strokes_body(held_bytes)
+    mix = mixed_requests() if mixed else []
+    idle = _proc_status(pid)["VmRSS"]
+    if not reset_peak(pid):
+        raise RuntimeError(f"cannot reset the peak memory of process {pid} (/proc/{pid}/clear_refs)")
+    rss_log: list = []
+    rss_stop = threading.Event()
+    t0 = time.monotonic()
+    sampler = threading.Thread(target=_sample_rss, args=(pid, rss_stop, rss_log, t0), daemon=True)
+    sampler.start()
+    held_log: list = []
+    held = [threading.Thread(target=_held_upload, args=(url, data, ctype, hold_s, held_log), daemon=True)
+            for _ in range(n_held)]
+    for t in held:
+        t.start()
+    time.sleep(1.0)
+
+    def one(req):
+        path, fields, files = req
+        t = time.perf_counter()
+        status, body = post(url + path, fields=fields or None, files=files or None, timeout=180)
+        return status, round(time.perf_counter() - t, 2), body.get("error")
+
+    with ThreadPoolExecutor(max(1, len(mix))) as pool:
+        answers = list(pool.map(one, mix))
+    for t in held:
+        t.join(hold_s + 40)
+    peak = _proc_status(pid)["VmHWM"]
+    end = time.monotonic()
+    time.sleep(settle_s)
+    rss_stop.set()
+    sampler.join(2)
+    later = _proc_status(pid)["VmRSS"]
+    return {"held": {"connections": n_held, "body_bytes": len(data),
+                     "answers": {a: [x[0] for x in held_log].count(a) for a in sorted({x[0] for x in held_log})},
+                     "answered_after_s": _seconds([x[1] for x in held_log])},
+            "mixed": {"requests": len(mix), "statuses": {s: [x[0] for x in answers].count(s)
+                                                         for s in sorted({x[0] for x in answers})},
+                      "errors": sorted({x[2] for x in answers if x[2]}),
+                      "latency": _percentiles([x[1] for x in answers])},
+            "memory_mib": {"idle_rss": idle, "peak_rss": peak, "peak_over_idle": peak - idle,
+                           f"rss_over_idle_{settle_s:g}s_after": later - idle, "rss_timeline": rss_log[::8]},
+            "duration_s": round(end - t0, 1)}
+
+
+def run_held(model_args: list[str] | None = None, threads: int = 0, **kw) -> dict[str, Any]:
+    """:func:`held_uploads` against a fresh ``tellkit serve`` after a warm-up."""
+    photos, math = _inputs()
+    model_args = list(model_args or _default_models())
+    proc, url = _start_server(model_args, 8, threads, timeout=60.0)
+    try:
+        load_once(url, 4, 2, photos, math)  # warm-up (first-call allocations), not counted
+        time.sleep(2.0)
+        out = held_uploads(url, proc.pid, **kw)
+    finally:
+        _stop(proc)
+    return {"server_args": model_args, **out}
+
+
 def _seconds(xs: list[float]) -> dict[str, float]:
     if not xs:
         return {}
@@ -397,6 +515,7 @@ def run(quick: bool = False, device: str = "cpu", requests: int | None = None, c
     result["total_errors"] = sum(r["errors"] for r in result["runs"].values())
     if not quick:
         result["attack"] = run_attack(model_args, threads)
+        result["held_uploads"] = run_held(model_args, threads)
     return result
 
 
@@ -410,9 +529,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attack-only", action="store_true",
                    help="only the attack (noise images + slow uploads): writes serve_attack.json")
     p.add_argument("--noise-side", type=int, default=300, help="side of the noise images of the attack (default 300)")
+    p.add_argument("--held-only", action="store_true",
+                   help="only the held uploads (64 stalled 5 MB strokes bodies + 16 heavy requests): serve_held.json")
     a = p.parse_args(argv)
     if a.attack_only:
         return _main_attack(a)
+    if a.held_only:
+        return _main_held(a)
     res = run(requests=a.requests, concurrency=a.concurrency, threads=a.threads,
               model_args=["--untrained"] if a.untrained else None)
     record = {"suite": "serve_load", "machine": machine(),
@@ -442,6 +565,21 @@ def _main_attack(a) -> int:
     atomic_write_json(out / "serve_attack.json", record)
     print(attack_summary(res))
     print(f"wrote {out / 'serve_attack.json'}")
+    return 0
+
+
+def _main_held(a) -> int:
+    res = run_held(["--untrained"] if a.untrained else None, a.threads)
+    record = {"suite": "serve_held", "machine": machine(),
+              "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "results": res}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "serve_held.json", record)
+    m = res["memory_mib"]
+    print(f"held uploads: peak RSS {m['peak_rss']} MiB = idle {m['idle_rss']} + {m['peak_over_idle']} MiB; "
+          f"{ {k: v for k, v in m.items() if k.startswith('rss_over_idle')} }; held answers {res['held']['answers']}; "
+          f"mixed {res['mixed']['statuses']}")
+    print(f"wrote {out / 'serve_held.json'}")
     return 0
 
 

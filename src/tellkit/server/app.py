@@ -22,6 +22,7 @@ per-request timeout. docs/server.md lists every limit and code.
 import asyncio
 import codecs
 import contextlib
+import gc
 import inspect
 import json
 import logging
@@ -48,6 +49,7 @@ from tellkit.server.limits import (
     multipart_boundary,
 )
 from tellkit.server.samples import sample_file, sample_index
+from tellkit.utils.memory import release_memory
 from tellkit.utils.optional import require
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -219,10 +221,11 @@ class _Body:
                 self.refuse(err, discard_rest=False)
         return msg
 
-    def release(self) -> None:
-        """The request has ended: its body no longer counts against ``max_buffered_mb``."""
+    def release(self) -> int:
+        """The request has ended: its body no longer counts against ``max_buffered_mb``; -> its bytes."""
         self.held["buffered"] -= self.seen
-        self.seen = 0
+        seen, self.seen = self.seen, 0
+        return seen
 
     async def discard(self) -> None:
         """Read and drop the rest of the body (at most ``max_discard_bytes``, within the body
@@ -247,6 +250,9 @@ async def _send_error(send, err: RequestError):
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close"), *extra]})
     await send({"type": "http.response.body", "body": body})
+
+
+_LARGE_BODY = 1 << 20  # bytes of a body after which its end may leave freed pages worth returning
 
 
 def _too_large(limits: Limits) -> RequestError:
@@ -339,7 +345,12 @@ class _RequestGuard:
             if body.refusal is None:
                 raise
         finally:
-            body.release()
+            if body.release() >= _LARGE_BODY and self.counters["buffered"] == 0:
+                # the last large body has gone: free what refused requests keep in reference cycles
+                # (an exception's traceback holds the frames that held the chunks), then give the
+                # pages back to the system
+                gc.collect()
+                release_memory()
             if slot is not None:
                 slot.leave()
         if body.refusal is not None and not started:

@@ -90,3 +90,37 @@ def _png():
     b = io.BytesIO()
     Image.new("RGB", (64, 48), (120, 120, 120)).save(b, "PNG")
     return b.getvalue()
+
+
+def test_a_request_still_running_at_shutdown_gets_json():
+    import threading
+    import time
+
+    import uvicorn
+
+    from tellkit.server.runner import free_port, post, uvicorn_config
+
+    class Slow(StubRecognizer):
+        def __call__(self, images):
+            time.sleep(4.0)
+            return super().__call__(images)
+
+    app = create_app({"recognize": Slow()}, Limits(), serve_page=False)
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=0.5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    out = {}
+    client = threading.Thread(target=lambda: out.update(r=post(f"http://127.0.0.1:{port}/api/recognize",
+                                                             files={"image": ("a.png", _png(), "image/png")},
+                                                             timeout=30)))
+    client.start()
+    time.sleep(1.0)  # the request is with the model
+    server.should_exit = True
+    client.join(30)
+    thread.join(30)
+    status, body = out["r"]
+    assert (status, body.get("error")) == (503, "shutting_down"), (status, body)

@@ -341,6 +341,14 @@ class _RequestGuard:
 
         try:
             await self.app(scope, body.receive, guarded_send)
+        except asyncio.CancelledError:
+            # the server is stopping and its grace period is over: a request not yet answered gets
+            # a JSON refusal (not the server's plain-text 500) before its task ends
+            if not started:
+                started = True
+                await _send_error(send, RequestError(503, "shutting_down", "the server is shutting down; retry "
+                                                     "on another instance or after it restarts", retry_after=5))
+            raise
         except Exception:  # noqa: BLE001
             if body.refusal is None:
                 raise

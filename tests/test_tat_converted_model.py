@@ -157,3 +157,19 @@ def test_serve_passes_its_encoder_flags_to_the_captioner(tmp_path):
     missing = tmp_path / "no-roberta-here"
     with pytest.raises(tellkit.TellkitError, match=str(missing)):
         cmd_serve.load_backends(args("--encoder", "image_weights=random", "--encoder", f"article={missing}"))
+
+
+def test_evaluate_names_the_missing_encoder_before_loading_the_model(tmp_path):
+    m = tellkit.create_model("tat/tiny", **{**TINY, "article_dim": 1024, "article_layers": 25, "face_dim": 512},
+                             contexts=["image", "article"])
+    torch.save(reference_state(m), tmp_path / "best.th")
+    res = tellkit_cli("convert", tmp_path / "best.th", "-o", "num_heads=4", "-o", "recipe=tat/goodnews",
+                      "--out", tmp_path / "conv")
+    assert res.returncode == 0, res.stderr
+    (tmp_path / "conv" / "model.safetensors").write_bytes(b"not read")  # the check comes before the model
+    fixture = __import__("pathlib").Path(__file__).parent / "fixtures" / "goodnews"
+    res = tellkit_cli("evaluate", tmp_path / "conv", "encoders.image_weights=random", "--data", fixture,
+                      "--split", "test", "--out", tmp_path / "ev", "--no-progress")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "RoBERTa-large cannot be loaded" in res.stderr and "encoders.article=DIR" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1

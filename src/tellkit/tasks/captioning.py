@@ -591,6 +591,13 @@ class CaptioningTask(Task):
         return self.processor.encode([sample_input(s, self.data.context)],  # type: ignore[return-value]
                                      precision=self.precision)[0]
 
+    def check_inputs(self) -> None:
+        """Before an evaluation loads its model: every encoder it will run can be built (one
+        whose weights cannot be reached is named in one line, with how to pass a local copy).
+        Nothing is checked when a feature cache stands in for the encoders."""
+        if self.encodes_in_step or not self.data.features:
+            self.bundle.check_reachable()
+
     @property
     def encodes_in_step(self) -> bool:
         """``encoders.mode: reference``: the encoders run on each batch in the training (or

@@ -127,6 +127,8 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
     info = distributed.setup("cpu" if device is None and runtime == "onnx" else device)
     try:
         task = make_task(recipe) if task is None else task
+        if hasattr(task, "check_inputs"):  # e.g. encoder weights that cannot be reached: before the model loads
+            task.check_inputs()
         model = load_model(ckpt, map_location=info.device).float()
         task.progress = progress
         task.precision = precisions.resolve_precision(info.device, dtype)

@@ -159,3 +159,15 @@ def test_server_answers_422_image_too_complex():
         assert "\n" not in body["detail"]
         s, body = post(srv.url + "/api/recognize", files={"image": ("a.jpg", progressive_jpeg(100), "image/jpeg")})
         assert s == 200, body
+        # four bombs at once never delay another client by more than 2 s
+        import threading
+
+        bombs = [threading.Thread(target=post, args=(srv.url + "/api/recognize",),
+                                  kwargs={"files": {"image": ("b.jpg", scan_bomb(), "image/jpeg")}}) for _ in range(4)]
+        for t in bombs:
+            t.start()
+        t0 = time.monotonic()
+        s, body = post(srv.url + "/api/recognize", files={"image": ("a.jpg", progressive_jpeg(100), "image/jpeg")})
+        assert s == 200 and time.monotonic() - t0 < 2, body
+        for t in bombs:
+            t.join(30)

@@ -171,3 +171,19 @@ def test_server_answers_422_image_too_complex():
         assert s == 200 and time.monotonic() - t0 < 2, body
         for t in bombs:
             t.join(30)
+
+
+def test_scans_are_bounded_by_their_work_over_the_image():
+    side = 3000  # 9 M pixels: 166 scans of work accepted
+    data = progressive_jpeg(side)
+    spans = scan_spans(data)
+    allowed = st.MAX_JPEG_SCAN_PIXELS // (side * side)
+    start, end = min(spans, key=lambda s: s[1] - s[0])
+
+    def with_scans(n):
+        return data[:end] + data[start:end] * (n - len(spans)) + data[end:]
+
+    with pytest.raises(ImageError, match="more decoding work than accepted") as info:
+        decode_image(with_scans(allowed + 1), max_side=1024)
+    assert info.value.reason == "too complex"
+    assert decode_image(with_scans(allowed), max_side=1024).original_size == (side, side)

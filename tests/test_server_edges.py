@@ -124,3 +124,34 @@ def test_a_request_still_running_at_shutdown_gets_json():
     thread.join(30)
     status, body = out["r"]
     assert (status, body.get("error")) == (503, "shutting_down"), (status, body)
+
+
+def test_a_client_mid_headers_at_shutdown_gets_json():
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from tellkit.server.runner import free_port, uvicorn_config
+
+    app = create_app({"recognize": StubRecognizer()}, Limits(), serve_page=False)
+    port = free_port()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=0.5))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /api/recognize HTTP/1.1\r\nHost: x\r\nContent-Ty")  # headers not complete
+        time.sleep(0.3)
+        server.should_exit = True
+        answer = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    thread.join(30)
+    assert answer.startswith(b"HTTP/1.1 503") and b'"shutting_down"' in answer, answer

@@ -7,8 +7,9 @@
 The HTTP/1.1 protocol is uvicorn's h11 implementation with two changes (:func:`protocol_class`):
 a request whose line and headers are not complete within ``header_timeout_s`` of the connection
 opening (or of the previous response on a kept-alive connection) is answered 408 and closed
-(a client that drips bytes is not kept forever), and a malformed request is answered with the
-API's JSON error body instead of plain text. Body timeouts are enforced by the app's guard.
+(a client that drips bytes is not kept forever), a malformed request is answered with the
+API's JSON error body instead of plain text, and at shutdown a client whose headers have partly
+arrived gets a JSON 503 instead of a closed connection. Body timeouts are enforced by the app's guard.
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ def _raw_json_response(status: int, reason: str, code: str, detail: str) -> byte
     head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n")
     return head.encode("ascii") + body
+
+
+_SHUTTING_DOWN = _raw_json_response(503, "Service Unavailable", "shutting_down",
+                                    "the server is shutting down; retry after it restarts")
 
 
 def protocol_class(header_timeout_s: float):
@@ -71,6 +76,14 @@ def protocol_class(header_timeout_s: float):
             detail = msg.rstrip(".") + " (malformed HTTP/1.1 request line, headers or body framing)"
             self.transport.write(_raw_json_response(400, "Bad Request", "bad_request", detail))
             self.transport.close()
+
+        def shutdown(self) -> None:  # a client mid-headers gets JSON, not a closed connection
+            if self.cycle is None and self.conn.trailing_data[0] and not self.transport.is_closing():
+                self._cancel_header_timer()
+                self.transport.write(_SHUTTING_DOWN)
+                self.transport.close()
+                return
+            super().shutdown()
 
         def _arm_header_timer(self) -> None:
             self._cancel_header_timer()

@@ -297,3 +297,68 @@ def test_objects_encoder_end_to_end_with_random_weights(tmp_path):
     assert (det.boxes[:, 2] - det.boxes[:, 0] > 0).all()
     with pytest.raises(TellkitError, match="encoders.object_weights"):
         ObjectEncoder.from_files(None, "random")
+
+
+def _stride32_cfg() -> str:
+    """Five stride-2 convolutions and one head with one large anchor (500 x 500): 1 anchor, 2 classes."""
+    conv = "[convolutional]\nbatch_normalize=1\nfilters=4\nsize=3\nstride=2\npad=1\nactivation=leaky\n\n"
+    head = ("[convolutional]\nsize=1\nstride=1\npad=1\nfilters=7\nactivation=linear\n\n"
+            "[yolo]\nmask=0\nanchors=500,500\nclasses=2\nnum=1\n")
+    return "[net]\n\n" + conv * 5 + head
+
+
+def _one_object_detector(tmp_path):
+    """A detector that sees one object covering any image: every cell predicts a box of
+    exp(ln 8) * 500 = 4000 pixels with objectness and class 0 near 1; NMS keeps the first."""
+    (tmp_path / "det.cfg").write_text(_stride32_cfg())
+    net = _randomised(YOLOv3(parse_cfg(_stride32_cfg())))
+    with torch.no_grad():
+        head = net.convolutions()[-1].conv
+        head.weight.zero_()
+        head.bias.copy_(torch.tensor([0.0, 0.0, math.log(8.0), math.log(8.0), 6.0, 6.0, -6.0]))
+    save_darknet_weights(net, tmp_path / "det.weights")
+    return tmp_path / "det.weights", tmp_path / "det.cfg"
+
+
+def test_features_builds_object_vectors_from_images(tmp_path, capsys):
+    from tellkit.cli import main
+    from tellkit.encoders.features import FeatureStore
+
+    weights, cfg = _one_object_detector(tmp_path)
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    rng = np.random.default_rng(0)
+    for name, (h, w) in (("a", (80, 100)), ("b", (64, 64))):
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(imgs / f"{name}.png")
+    out = tmp_path / "feats"
+    argv = ["features", str(out), "--images", str(imgs), "--no-faces", "--no-progress", "--objects"]
+    assert main([*argv, "--object-weights", str(weights), "--object-cfg", str(cfg),
+                 "--object-resnet-weights", "random"]) == 0
+    store = FeatureStore(out)
+    assert store["a"]["objects"].shape == (1, 2048) and store["b"]["objects"].shape == (1, 2048)
+    assert store.config["object_weights"] == str(weights)
+    capsys.readouterr()
+    # without the detector's weights: one line naming the option and where the file comes from
+    assert main([*argv[:2], "--images", str(imgs), "--objects"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--object-weights" in err and "yolov3.weights" in err
+
+
+def test_the_bundle_detects_objects_when_given_the_weights(tmp_path):
+    from tellkit.encoders.bundle import CaptionInput, EncoderBundle
+
+    weights, cfg = _one_object_detector(tmp_path)
+    img = Image.new("RGB", (90, 60), (10, 200, 30))
+    conf = {"image": "mobilenet_v2", "objects": "yolov3_resnet152", "object_weights": str(weights),
+            "object_cfg": str(cfg), "object_resnet_weights": "random"}
+    bundle = EncoderBundle(conf, ("image", "objects"))
+    item = bundle.encode([CaptionInput("x", image=img)], details=True)[0]
+    assert item["objects"].shape == (1, 2048) and item["objects_source"] == "yolov3"
+    assert item["object_boxes"].tolist() == [[0, 0, 90, 60]]  # the whole image, clipped
+    given = bundle.encode([CaptionInput("y", image=img, objects=np.ones((2, 2048), np.float32))], details=True)[0]
+    assert given["objects_source"] == "precomputed" and given["objects"].shape == (2, 2048)
+    without = EncoderBundle({"image": "mobilenet_v2"}, ("image", "objects"))
+    assert without.encode([CaptionInput("x", image=img)], details=True)[0]["objects_source"] == "none"
+    no_resnet = EncoderBundle({**conf, "object_resnet_weights": None}, ("image", "objects"))
+    with pytest.raises(TellkitError, match="object_resnet_weights"):
+        no_resnet.encode([CaptionInput("x", image=img)])

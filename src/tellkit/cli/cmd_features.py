@@ -4,6 +4,8 @@ hidden states into shards under OUT (see tellkit.encoders.features for the layou
     tellkit features feats/ --images photos/                 # a folder or a list of paths
     tellkit features feats/ --format goodnews --root data/goodnews --split val --article
     tellkit features feats/ --images photos/ --image-encoder resnet152 --image-weights r152.pth
+    tellkit features feats/ --images photos/ --image-encoder resnet152 --image-weights r152.pth \
+        --objects --object-weights yolov3.weights          # + YOLOv3 objects, as the reference's
 
 Re-running the same command resumes after the last finished shard. Several processes share one
 OUT: ``--shard I/N`` (or torchrun / a Slurm job array, read from the environment) gives process I
@@ -57,7 +59,13 @@ def add_arguments(p) -> None:
     p.add_argument("--context-policy", default="reference", choices=("reference", "cut"),
                    help="which article text is read: the reference's rules (default) or tellkit's earlier builder")
     p.add_argument("--objects", action="store_true",
-                   help="also store the object vectors the data set ships (NYTimes800k); no detector runs")
+                   help="also store object vectors: those the data set ships (NYTimes800k), else YOLOv3 + ResNet-152 "
+                        "detected in the images (needs --object-weights)")
+    p.add_argument("--object-weights", help="darknet's yolov3.weights (the darknet release): detect the objects of "
+                                            "images that come without vectors (encoders.object_weights)")
+    p.add_argument("--object-cfg", help="the detector's darknet .cfg (default: yolov3.cfg's layout, built in)")
+    p.add_argument("--object-resnet-weights",
+                   help="ResNet-152 state dict for the object crops (default: --image-weights with resnet152)")
     p.add_argument("--dtype", default="float16", choices=("float16", "float32", "bfloat16"), help="storage dtype")
     p.add_argument("--shard-size", type=int, default=256, help="images per shard (the unit of resumption)")
     p.add_argument("--batch-size", type=positive_int, default=16)
@@ -98,15 +106,21 @@ def run(args) -> int:
     else:
         from tellkit.tasks.captioning import dataset_inputs  # heavy
 
-        items = dataset_inputs(args.format, args.root, args.split, args.limit, args.image_root, objects=args.objects,
+        shipped = args.objects and (args.format == "nytimes800k" or not args.object_weights)
+        items = dataset_inputs(args.format, args.root, args.split, args.limit, args.image_root, objects=shipped,
                                dropped=dropped)
     if args.article and args.images:
         print("note: --images gives no article text; article features will be empty", file=sys.stderr)
-    if args.objects and args.images:
-        print("note: --images gives no object vectors (no detector ships); objects will be empty", file=sys.stderr)
+    if (args.object_weights or args.object_cfg or args.object_resnet_weights) and not args.objects:
+        raise TellkitError("--object-weights / --object-cfg / --object-resnet-weights go with --objects")
+    if args.objects and args.images and not args.object_weights:
+        raise TellkitError("--objects on --images detects them with YOLOv3: give --object-weights yolov3.weights "
+                           "(the darknet release, https://pjreddie.com/media/files/yolov3.weights)")
     given = {"image": args.image_encoder, "image_weights": args.image_weights, "image_fit": args.image_fit,
              "article": args.article_encoder,
-             "face_weights": args.facenet_weights, "max_faces": args.max_faces}
+             "face_weights": args.facenet_weights, "max_faces": args.max_faces,
+             "object_weights": args.object_weights, "object_cfg": args.object_cfg,
+             "object_resnet_weights": args.object_resnet_weights}
     encoders = EncodersConfig.from_recipe({k: v for k, v in given.items() if v is not None})
     cfg = FeatureConfig(
         encoders=encoders, faces=not args.no_faces, article=args.article, objects=args.objects,

@@ -12,8 +12,11 @@ Items follow :class:`tellkit.data.batch.CaptionItem`; :func:`tellkit.data.batch.
 pads them into a batch. Precomputed context sets win over the encoders: an input's ``faces``
 (float32 [F, 512], NYTimes800k's FaceNet embeddings) is used instead of running the face
 detector, and its ``objects`` (float32 [O, 2048], NYTimes800k's YOLOv3 + ResNet-152 vectors) is
-the objects context. No object detector ships, so a new image's objects context is empty
-(``objects_source: "none"`` in the details) and the caption output says so.
+the objects context. An image without them has its objects detected when ``encoders.object_weights``
+names darknet's ``yolov3.weights`` (:class:`tellkit.encoders.objects.ObjectEncoder`: YOLOv3 boxes,
+their crops through ResNet-152, as the reference stored them; ``objects_source: "yolov3"``);
+without that file no detector runs, the objects context is empty (``objects_source: "none"``
+in the details) and the caption output says so.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import torch
 from tellkit.encoders.context import build_context
 from tellkit.encoders.faces import FaceEncoder
 from tellkit.encoders.image import build_image_encoder
+from tellkit.encoders.objects import WEIGHTS_HELP as OBJECT_WEIGHTS_HELP
+from tellkit.encoders.objects import ObjectEncoder
 from tellkit.encoders.preprocess import load_image
 from tellkit.encoders.sources import SOURCES, how_to_pass
 from tellkit.encoders.sources import what as network
@@ -67,7 +72,12 @@ class EncodersConfig:
     faces: str | None = DEFAULT_FACE_ENCODER  # facenet_casia (packaged) or another FaceNet with face_weights
     face_weights: str | None = None  # a facenet-pytorch-layout state dict (e.g. VGGFace2)
     face_standardization: str | None = None  # None: the face encoder's default
-    objects: str | None = None  # the detector the precomputed object vectors came from (none ships)
+    objects: str | None = None  # the detector the object vectors come from (yolov3_resnet152: the reference's)
+    # darknet's yolov3.weights: objects are detected in images that come without vectors (None: none are)
+    object_weights: str | None = None
+    object_cfg: str | None = None  # a darknet .cfg of the detector (None: yolov3.cfg's layout, built in)
+    # ResNet-152 for the object crops (None: image_weights, when the image encoder is resnet152)
+    object_resnet_weights: str | None = None
     caption_tokenizer: str | None = None  # None: the packaged RoBERTa BPE
     max_faces: int = MAX_FACES
     # frozen: image and article encoders in eval mode, features cacheable (data.features);
@@ -114,7 +124,7 @@ class CaptionInput:
     image_position: int | None = None
     image: Any = None  # an already decoded PIL image (wins over image_path)
     faces: Any = None  # precomputed float32 [F, 512] (array-like), or None: detect
-    objects: Any = None  # precomputed float32 [O, 2048] (array-like), or None: empty set
+    objects: Any = None  # precomputed float32 [O, 2048] (array-like), or None: detected or empty
     from_dataset: bool = False  # a data set's image (read as encoders.dataset_images says), not a user's photo
 
 
@@ -220,7 +230,7 @@ class EncoderBundle:
         device = torch.device(device)
         if device != self.device:
             self.device = device
-            for name in ("image_encoder", "article_encoder", "face_encoder"):
+            for name in ("image_encoder", "article_encoder", "face_encoder", "object_encoder"):
                 enc = self.__dict__.get(name)
                 if hasattr(enc, "to"):
                     enc.to(device)
@@ -254,6 +264,26 @@ class EncoderBundle:
         return self._shared(
             ("faces", c.face_weights, c.max_faces, c.face_standardization),
             lambda: FaceEncoder(facenet_weights=c.face_weights, max_faces=c.max_faces, **kw).to(self.device))
+
+    @property
+    def detects_objects(self) -> bool:
+        """Objects are detected (YOLOv3 + ResNet-152) in images that come without object vectors."""
+        return "objects" in self.contexts and bool(self.config.object_weights)
+
+    @functools.cached_property
+    def object_encoder(self) -> ObjectEncoder:
+        c = self.config
+        if not c.object_weights:
+            raise TellkitError(f"the objects encoder (YOLOv3) needs its weights: {OBJECT_WEIGHTS_HELP}")
+        resnet = c.object_resnet_weights
+        if resnet is None and c.image == "resnet152":
+            resnet = c.image_weights
+        if resnet is None:
+            raise TellkitError("the objects encoder needs ResNet-152 weights for its crops: "
+                               "encoders.object_resnet_weights=PATH (a torchvision resnet152-*.pth state dict), "
+                               "or encoders.image=resnet152 with encoders.image_weights")
+        return self._shared(("objects", c.object_weights, c.object_cfg, resnet), lambda: ObjectEncoder.from_files(
+            c.object_weights, resnet, cfg=c.object_cfg).to(self.device))
 
     def check_model(self, model_config) -> None:
         """Refuse a model whose context sizes differ from what these encoders give."""
@@ -313,7 +343,9 @@ class EncoderBundle:
         if not inputs:
             return items
         need_faces = "faces" in self.contexts and any(inp.faces is None for inp in inputs)
-        pils = [self._image(inp) if ("image" in self.contexts or need_faces or details) else None for inp in inputs]
+        need_objects = self.detects_objects and any(inp.objects is None for inp in inputs)
+        pils = [self._image(inp) if ("image" in self.contexts or need_faces or need_objects or details) else None
+                for inp in inputs]
         if "image" in self.contexts:
             for item, f in zip(items, self._image_features(pils, [self._resample(inp) for inp in inputs])):
                 item["image"] = f
@@ -321,11 +353,8 @@ class EncoderBundle:
             for item, inp, pil in zip(items, inputs, pils):
                 item.update(self._faces(inp, pil))
         if "objects" in self.contexts:
-            for item, inp in zip(items, inputs):
-                given = inp.objects if inp.objects is not None else []
-                item["objects"] = _as_set(given, self.object_dim, None, "objects")
-                if details:
-                    item["objects_source"] = "precomputed" if inp.objects is not None else "none"
+            for item, inp, pil in zip(items, inputs, pils):
+                item.update(self._objects(inp, pil, details))
         if "article" in self.contexts:
             texts = [self.context_text(inp) for inp in inputs]
             for item, text, a in zip(items, texts, self._articles(texts)):
@@ -402,6 +431,26 @@ class EncoderBundle:
         # the reference read its data sets' images as stored; a user's photo is turned upright
         as_stored = inp.from_dataset and self.config.dataset_images == "reference"
         return load_image(inp.image_path, exif=not as_stored)
+
+    def _objects(self, inp: CaptionInput, pil, details: bool) -> dict[str, Any]:
+        """objects float[O, object_dim]: the input's own vectors, else detected (with
+        ``encoders.object_weights``), else none; with ``details`` also where they came from and,
+        for detected ones, their boxes float[O, 4], scores and COCO class indices."""
+        if inp.objects is not None or not self.detects_objects:
+            given = inp.objects if inp.objects is not None else []
+            out = {"objects": _as_set(given, self.object_dim, None, "objects")}
+            if details:
+                out["objects_source"] = "precomputed" if inp.objects is not None else "none"
+            return out
+        feats, det = self.object_encoder.encode(pil)
+        if feats.shape[1] != self.object_dim:
+            raise TellkitError(f"the objects encoder gives {feats.shape[1]}-d vectors; the model expects "
+                               f"object_dim={self.object_dim}")
+        out = {"objects": feats.float().cpu()}
+        if details:
+            out.update(objects_source="yolov3", object_boxes=det.boxes, object_scores=det.scores,
+                       object_classes=det.classes)
+        return out
 
     def _faces(self, inp: CaptionInput, pil) -> dict[str, Any]:
         """faces float[F, 512] with F <= max_faces, and the detector's boxes float[F, 4] and

@@ -58,7 +58,8 @@ class FeatureConfig:
     encoders: EncodersConfig = field(default_factory=EncodersConfig)
     faces: bool = True
     article: bool = False
-    objects: bool = False  # store the inputs' precomputed object vectors (no detector runs)
+    # store object vectors: the inputs' own, else detected when encoders.object_weights is given
+    objects: bool = False
     max_article_tokens: int = 512  # the article encoder's budget, special tokens included
     context_policy: str = "reference"  # how the article context is chosen (tellkit.encoders.context)
     dtype: str = "float16"  # storage dtype of the float features
@@ -84,7 +85,10 @@ class FeatureConfig:
                  "max_faces": (e.max_faces, EncodersConfig.max_faces),
                  "face_standardization": (e.face_standardization, None),
                  "image_fit": (e.image_fit, EncodersConfig.image_fit),
-                 "dataset_images": (e.dataset_images, EncodersConfig.dataset_images)}
+                 "dataset_images": (e.dataset_images, EncodersConfig.dataset_images),
+                 "object_weights": (e.object_weights if self.objects else None, None),
+                 "object_cfg": (e.object_cfg if self.objects else None, None),
+                 "object_resnet_weights": (e.object_resnet_weights if self.objects else None, None)}
         d.update({k: v for k, (v, default) in later.items() if v != default})
         if self.article:  # article states made with the earlier context builder are not reused
             d["context_policy"] = self.context_policy

@@ -335,15 +335,13 @@ def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_thres: float) -> torch.Te
     """Greedy NMS: the indices kept, by decreasing score (a box is dropped when its IoU with a
     kept, higher-scoring box exceeds ``iou_thres``)."""
     order = torch.argsort(scores, descending=True, stable=True)
-    iou = box_iou(boxes[order], boxes[order])
-    keep: list[int] = []
-    removed = torch.zeros(len(order), dtype=torch.bool)
-    for i in range(len(order)):
-        if removed[i]:
-            continue
-        keep.append(i)
-        removed |= iou[i] > iou_thres
-    return order[torch.tensor(keep, dtype=torch.long)]
+    keep: list[torch.Tensor] = []
+    while order.numel():
+        best = order[0]
+        keep.append(best)
+        rest = order[1:]
+        order = rest[box_iou(boxes[best].view(1, 4), boxes[rest])[0] <= iou_thres]
+    return torch.stack(keep) if keep else torch.zeros(0, dtype=torch.long)
 
 
 def non_max_suppression(pred: torch.Tensor, conf_thres: float = CONF_THRES, iou_thres: float = IOU_THRES,

@@ -33,32 +33,54 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="requests grouped into one forward pass (default 8)")
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long the worker waits to fill a batch (default 10)")
-    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds (default 60)")
-    p.add_argument("--max-upload-mb", type=float, default=8.0, help="request body limit in MiB (default 8)")
-    p.add_argument("--max-image-pixels", type=int, default=16_000_000, help="image width x height limit (default 16M)")
-    p.add_argument("--max-article-chars", type=int, default=20_000, help="article length limit (default 20000)")
-    p.add_argument("--max-decoding", type=int, default=2,
-                   help="images decoded at once; each holds up to ~100 MiB at the default pixel limit (default 2)")
-    p.add_argument("--header-timeout", type=float, default=10.0,
-                   help="seconds for a request's line and headers to arrive (default 10)")
-    p.add_argument("--body-idle-timeout", type=float, default=15.0,
-                   help="longest silence in seconds while a request body arrives (default 15)")
-    p.add_argument("--body-timeout", type=float, default=120.0,
-                   help="seconds for a whole request body to arrive (default 120)")
-    p.add_argument("--max-beam-size", type=int, default=16,
-                   help="widest beam served; a checkpoint's wider one is lowered to it (default 16)")
-    p.add_argument("--max-gen-len", type=int, default=256,
-                   help="most tokens generated per answer; a checkpoint's longer max_len is lowered (default 256)")
-    p.add_argument("--memory-budget-mb", type=int, default=384,
-                   help="estimated model working memory of the batches running at once, both models together; "
-                   "an input larger than this runs alone (default 384)")
-    p.add_argument("--max-buffered-mb", type=int, default=128,
-                   help="request bodies held by all connections at once; a body that would pass it is refused "
-                   "with 503 and Retry-After before more is read (default 128)")
+    add_limit_arguments(p)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--api-only", action="store_true", help="serve the API without the page")
     add_encoder_argument(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+# the flags that set a field of tellkit.server.limits.Limits: flag -> (field, type, help); each
+# default (and the default the help prints) is the field's own, so a default lives in one place
+LIMIT_OPTIONS = {
+    "--timeout": ("request_timeout_s", float, "per-request timeout in seconds"),
+    "--max-upload-mb": ("max_upload_bytes", float, "request body limit in MiB"),
+    "--max-image-pixels": ("max_image_pixels", int, "image width x height limit"),
+    "--max-article-chars": ("max_article_chars", int, "article length limit"),
+    "--max-decoding": ("max_decoding", int, "images decoded at once; each holds up to ~100 MiB at the default pixel "
+                       "limit"),
+    "--header-timeout": ("header_timeout_s", float, "seconds for a request's line and headers to arrive"),
+    "--body-idle-timeout": ("body_idle_timeout_s", float, "longest silence in seconds while a request body arrives"),
+    "--body-timeout": ("body_timeout_s", float, "seconds for a whole request body to arrive"),
+    "--max-beam-size": ("max_beam_size", int, "widest beam served; a checkpoint's wider one is lowered to it"),
+    "--max-gen-len": ("max_gen_len", int, "most tokens generated per answer; a checkpoint's longer max_len is "
+                      "lowered"),
+    "--memory-budget-mb": ("memory_budget_mb", int, "estimated model working memory of the batches running at "
+                           "once, both models together; an input larger than this runs alone"),
+    "--max-buffered-mb": ("max_buffered_mb", int, "request bodies held by all connections at once; a body that "
+                          "would pass it is refused with 503 and Retry-After before more is read"),
+}
+LIMIT_FLAGS = {field: flag for flag, (field, _, _) in LIMIT_OPTIONS.items()}
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _flag_default(field: str, value):
+    """A Limits field's default in the flag's unit (--max-upload-mb is in MiB)."""
+    return value / (1 << 20) if field == "max_upload_bytes" else value
+
+
+def add_limit_arguments(p) -> None:
+    """The request-limit flags, their defaults read from :class:`~tellkit.server.limits.Limits`."""
+    from tellkit.server.limits import Limits  # heavy
+
+    defaults = Limits()
+    for flag, (field, kind, text) in LIMIT_OPTIONS.items():
+        value = _flag_default(field, getattr(defaults, field))
+        p.add_argument(flag, type=kind, default=value,
+                       help=f"{text} (default {value:g})" if kind is float else f"{text} (default {value:,})")
 
 
 def _task(name: str, where: str) -> str:
@@ -128,14 +150,6 @@ def load_backends(args) -> dict[str, object]:
                        options={"caption": {"encoders": encoders}} if encoders else None)
 
 
-LIMIT_FLAGS = {"max_upload_bytes": "--max-upload-mb", "max_image_pixels": "--max-image-pixels",
-               "max_article_chars": "--max-article-chars", "request_timeout_s": "--timeout",
-               "max_decoding": "--max-decoding", "header_timeout_s": "--header-timeout",
-               "body_idle_timeout_s": "--body-idle-timeout", "body_timeout_s": "--body-timeout",
-               "max_beam_size": "--max-beam-size", "max_gen_len": "--max-gen-len",
-               "memory_budget_mb": "--memory-budget-mb", "max_buffered_mb": "--max-buffered-mb"}
-
-
 def serve_limits(args):
     """The server's :class:`~tellkit.server.limits.Limits` from the flags; a value out of range
     (or not finite) is a one-line error naming the flag."""
@@ -144,13 +158,10 @@ def serve_limits(args):
     mb = args.max_upload_mb
     if not (math.isfinite(mb) and 0 < mb <= 1024):
         raise TellkitError(f"--max-upload-mb must be a number of MiB above 0 and at most 1024, got {mb:g}")
+    values = {field: getattr(args, _dest(flag)) for flag, (field, _, _) in LIMIT_OPTIONS.items()}
+    values["max_upload_bytes"] = max(1, int(mb * 1024 * 1024))
     try:
-        return Limits(max_upload_bytes=max(1, int(mb * 1024 * 1024)), max_image_pixels=args.max_image_pixels,
-                      max_article_chars=args.max_article_chars, request_timeout_s=args.timeout,
-                      max_decoding=args.max_decoding, header_timeout_s=args.header_timeout,
-                      body_idle_timeout_s=args.body_idle_timeout, body_timeout_s=args.body_timeout,
-                      max_beam_size=args.max_beam_size, max_gen_len=args.max_gen_len,
-                      memory_budget_mb=args.memory_budget_mb, max_buffered_mb=args.max_buffered_mb)
+        return Limits(**values)
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
         raise TellkitError(f"{LIMIT_FLAGS.get(field, field)} {rest}") from None

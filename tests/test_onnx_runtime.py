@@ -151,6 +151,36 @@ def test_bttr_pipeline_on_onnx_gives_pytorchs_answers(tmp_path, capsys):
         tellkit.pipeline("recognize", ck, runtime="tensorrt")
 
 
+def test_serve_runtime_onnx_answers_through_onnx_runtime(tmp_path):
+    """``tellkit serve --runtime onnx`` loads its models as ``recognize --runtime onnx`` does: the
+    server's recognizer runs its ONNX graphs, says so in every answer, and reads a bitmap and a
+    drawing as PyTorch does."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    import tellkit
+    from tellkit.cli import build_parser
+    from tellkit.cli.cmd_serve import load_backends
+    from tellkit.server.app import create_app
+
+    ck = tiny_bttr(tmp_path / "bttr")
+    args = build_parser().parse_args(["serve", "--models", "recognize", "--model", f"recognize={ck}",
+                                      "--runtime", "onnx"])
+    served = load_backends(args)
+    assert served["recognize"].info["runtime"] == "onnx"
+    assert served["recognize"].runner is not served["recognize"].model
+    png = (SAMPLES / "bttr_x2_plus_1.png").read_bytes()
+    strokes = json.dumps([[[0.0, 0.0], [10.0, 12.0], [20.0, 4.0]], [[30.0, 0.0], [30.0, 20.0]]])
+    with TestClient(create_app(served, serve_page=False)) as client:
+        by_image = client.post("/api/recognize", files={"image": ("x.png", png, "image/png")})
+        by_strokes = client.post("/api/recognize", data={"strokes": strokes})
+    assert by_image.status_code == by_strokes.status_code == 200, (by_image.text, by_strokes.text)
+    assert by_image.json()["model"]["runtime"] == "onnx"
+    on_torch = tellkit.pipeline("recognize", ck)
+    assert on_torch.info.get("runtime", "torch") == "torch"
+    assert by_image.json()["latex"] == on_torch([str(SAMPLES / "bttr_x2_plus_1.png")])[0]["text"]
+
+
 def test_a_checkpoint_is_exported_once_into_the_cache(tmp_path, capsys):
     import tellkit
 

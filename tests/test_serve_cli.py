@@ -1,10 +1,15 @@
 """`tellkit serve`'s options: the request-limit flags take their defaults from
 :class:`tellkit.server.limits.Limits` (one place for each default), and the values given on the
-command line reach the server's limits."""
+command line reach the server's limits; ``--runtime onnx`` is refused in one line for a random
+(``--untrained``) model, which has no exported graphs (tests/test_onnx_runtime.py serves one
+that has)."""
 from __future__ import annotations
 
+import pytest
+
 from tellkit.cli import build_parser
-from tellkit.cli.cmd_serve import LIMIT_OPTIONS, serve_limits
+from tellkit.cli.cmd_serve import LIMIT_OPTIONS, load_backends, serve_limits
+from tellkit.errors import TellkitError
 from tellkit.server.limits import Limits
 
 
@@ -24,3 +29,10 @@ def test_each_limit_flag_reaches_its_field():
                                      "--max-buffered-mb", "9", "--memory-budget-mb", "50"))
     assert (limits.request_timeout_s, limits.max_upload_bytes, limits.max_image_pixels) == (7.0, 2 << 20, 1000)
     assert (limits.max_buffered_mb, limits.memory_budget_mb) == (9, 50)
+
+
+def test_runtime_onnx_needs_checkpoints():
+    args = serve_args("--models", "recognize", "--untrained", "--runtime", "onnx")
+    with pytest.raises(TellkitError, match="--runtime onnx .* --untrained recognize model") as err:
+        load_backends(args)
+    assert "\n" not in str(err.value)

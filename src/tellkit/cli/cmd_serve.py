@@ -1,4 +1,5 @@
-"""`tellkit serve [--host 127.0.0.1] [--port 8000] [--model caption=DIR] [--model recognize=DIR] [--dtype bf16]`:
+"""`tellkit serve [--host 127.0.0.1] [--port 8000] [--model caption=DIR] [--model recognize=DIR] [--dtype bf16]
+[--runtime torch|onnx]`:
 the HTTP JSON API and the demo page (see docs/server.md)."""
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from tellkit.cli import add_dtype_argument, add_encoder_argument, encoder_overrides
+from tellkit.cli import add_dtype_argument, add_encoder_argument, add_runtime_argument, encoder_overrides
 from tellkit.errors import TellkitError
 from tellkit.utils.memory import limit_arenas
 
@@ -30,6 +31,7 @@ def add_arguments(p) -> None:
                         "try the page and API without trained models")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     add_dtype_argument(p)
+    add_runtime_argument(p)
     p.add_argument("--max-batch", type=int, default=8, help="requests grouped into one forward pass (default 8)")
     p.add_argument("--max-wait-ms", type=float, default=10.0,
                    help="how long the worker waits to fill a batch (default 10)")
@@ -146,7 +148,12 @@ def load_backends(args) -> dict[str, object]:
     from tellkit.server.backends import load_served  # heavy
 
     encoders = encoder_overrides(getattr(args, "encoder", []))
-    return load_served(plan(args), device=args.device, dtype=getattr(args, "dtype", None),
+    chosen, runtime = plan(args), getattr(args, "runtime", None)
+    if runtime == "onnx" and None in chosen.values():
+        random = ", ".join(task for task, path in chosen.items() if path is None)
+        raise TellkitError(f"--runtime onnx runs a checkpoint's exported graphs; the --untrained {random} model has "
+                           f"none: pass --model {random.split(',')[0]}=DIR or leave out --runtime onnx")
+    return load_served(chosen, device=args.device, dtype=getattr(args, "dtype", None), runtime=runtime,
                        options={"caption": {"encoders": encoders}} if encoders else None)
 
 
@@ -206,7 +213,7 @@ def run(args) -> int:
             info = b.info
             state = "trained" if info.get("trained") else "UNTRAINED (outputs are noise)"
             print(f"tellkit serve: {name}: {info.get('name')} {state}, checkpoint {info.get('checkpoint') or '-'}, "
-                  f"{info.get('dtype', 'float32')}", file=sys.stderr)
+                  f"{info.get('dtype', 'float32')}, runtime {info.get('runtime', 'torch')}", file=sys.stderr)
             if info.get("dtype_note"):
                 print(f"tellkit serve: {name}: note: {info['dtype_note']}", file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -54,8 +54,10 @@ def served_models(models: Mapping[str, Any] | None, where: str = "create_app") -
 
 
 def load_served(chosen: Mapping[str, str | None], device: str | None = None,
-                dtype: str | None = None, options: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                dtype: str | None = None, options: Mapping[str, Mapping[str, Any]] | None = None,
+                runtime: str | None = None) -> dict[str, Any]:
     """``{task: checkpoint folder, or None for the task's tiny random model}`` -> ``{task: pipeline}``;
+    ``runtime``: 'torch' (None) or 'onnx', chosen by each pipeline's ``load`` as for the commands;
     ``options``: per task, more keyword arguments of its pipeline's ``load`` (the captioner's
     ``encoders``: local copies of the weights its checkpoint names)."""
     out = {}
@@ -63,7 +65,7 @@ def load_served(chosen: Mapping[str, str | None], device: str | None = None,
         cls = pipeline_class(task)
         extra = dict((options or {}).get(task) or {})
         out[task] = (cls.untrained(device=device) if path is None
-                     else cls.load(path, device=device, dtype=dtype, **extra))
+                     else cls.load(path, device=device, dtype=dtype, runtime=runtime, **extra))
     return out
 
 

@@ -167,3 +167,32 @@ def test_bad_model_or_train_settings_are_one_line(cfg, tmp_path, overrides, need
 
 def test_out_under_proc_is_one_line(cfg):
     one_line_error(tellkit("train", cfg, "--out", "/proc/tellkit-run/x", "--no-progress"), "/proc/tellkit-run")
+
+
+def _anchors(_saved: str) -> str:
+    return "a: &x [1, *x]\n"
+
+
+def _many_values(_saved: str) -> str:
+    return "train:\n  steps: [" + ", ".join(["0"] * 150_000) + "]\n"
+
+
+def _too_large(saved: str) -> str:
+    return saved + "# " + "x" * (1 << 20) + "\n"
+
+
+def _deep(_saved: str) -> str:
+    return "a: " + "[" * 200 + "]" * 200 + "\n"
+
+
+@pytest.mark.parametrize("make, needle", [(_anchors, "anchors and aliases"), (_many_values, "more than 100,000 values"),
+                                          (_too_large, "larger than the 1,048,576 bytes"),
+                                          (_deep, "nested more than 64 levels")])
+def test_resume_reads_the_runs_config_yaml_within_a_recipes_bounds(finished_run, cfg, tmp_path, make, needle):
+    """A run folder's config.yaml is read as a recipe is: size, values, depth, no aliases."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run, symlinks=True)
+    saved = (run / "config.yaml").read_text()
+    assert "&" not in saved and "*" not in saved  # written without aliases, so it reads back
+    (run / "config.yaml").write_text(make(saved))
+    one_line_error(tellkit("train", cfg, "--out", run, "--resume", "--no-progress"), "--resume:", needle)

@@ -150,6 +150,25 @@ def load_yaml_text(text: str, where: str) -> Any:
         raise TellkitError(f"{where}: not a usable YAML value ({type(exc).__name__})") from None
 
 
+def read_yaml_file(path: str | os.PathLike, what: str) -> Any:
+    """A YAML file tellkit wrote or a person names (a run's ``config.yaml``) with a recipe's
+    bounds: at most :data:`MAX_RECIPE_BYTES`, a regular file, then :func:`load_yaml_text`."""
+    return load_yaml_text(read_text(path, what, MAX_RECIPE_BYTES), str(path))
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """Writes every value out: a value met twice is written twice, never as an anchor and alias
+    (which :func:`check_yaml_text` refuses on the way back in)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def dump_yaml(data: Any) -> str:
+    """``data`` as YAML that :func:`read_yaml_file` reads back (keys in their order, no aliases)."""
+    return yaml.dump(data, Dumper=_PlainDumper, sort_keys=False)
+
+
 def deep_merge(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(dict(a))
     for k, v in b.items():

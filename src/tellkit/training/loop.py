@@ -43,11 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 
 from tellkit.checkpoint import load_weights_into
-from tellkit.config import check_recipe_sections, to_dict
+from tellkit.config import check_recipe_sections, dump_yaml, read_yaml_file, to_dict
 from tellkit.errors import TellkitError
 from tellkit.recipes import RESERVED_CHECKPOINT_KEYS, TrainConfig, task_key, train_config
 from tellkit.training import distributed
@@ -386,10 +385,10 @@ class Trainer:
                 raise TellkitError(f"--resume: no intact checkpoint under {self.ckpts.dir} (none saved)")
             cfg_file = run_dir / "config.yaml"
             if cfg_file.is_file():
-                try:
-                    saved = yaml.safe_load(cfg_file.read_text(encoding="utf-8"))
-                except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as exc:
-                    raise TellkitError(f"--resume: {cfg_file} is not readable YAML ({type(exc).__name__})") from exc
+                try:  # the bounds of a recipe: a run folder may come from elsewhere
+                    saved = read_yaml_file(cfg_file, "run config")
+                except TellkitError as exc:
+                    raise TellkitError(f"--resume: {exc}") from None
                 if not isinstance(saved, dict):
                     raise TellkitError(f"--resume: {cfg_file} holds no recipe "
                                        f"(a {type(saved).__name__}, not a mapping)")
@@ -418,7 +417,7 @@ class Trainer:
                     if not self.resume and self.ckpts.holds_run():
                         raise TellkitError(f"{run_dir} already holds a run: pass --resume to continue it, "
                                            "or choose another --out")
-                (run_dir / "config.yaml").write_text(yaml.safe_dump(self.resolved, sort_keys=False), encoding="utf-8")
+                (run_dir / "config.yaml").write_text(dump_yaml(self.resolved), encoding="utf-8")
 
     def _build(self) -> None:
         cfg, dist = self.cfg, self.dist

@@ -187,3 +187,68 @@ def test_scans_are_bounded_by_their_work_over_the_image():
         decode_image(with_scans(allowed + 1), max_side=1024)
     assert info.value.reason == "too complex"
     assert decode_image(with_scans(allowed), max_side=1024).original_size == (side, side)
+
+
+def slow_allowed_jpeg(side: int = 3000, max_bytes: int = 8 << 20) -> bytes:
+    """A noisy progressive JPEG with as many scans as the structure limits admit at its size
+    (its largest scan that keeps the file within ``max_bytes`` repeated, the server's upload
+    limit by default): about the most decoding work that passes the counts."""
+    noise = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    b = io.BytesIO()
+    Image.fromarray(noise).save(b, "JPEG", progressive=True, quality=20)
+    data = b.getvalue()
+    spans = scan_spans(data)
+    allowed = min(st.MAX_JPEG_SCANS, st.MAX_JPEG_SCAN_PIXELS // (side * side))
+    room = (max_bytes - 4096 - len(data)) // (allowed - len(spans))
+    start, end = max((s for s in spans if s[1] - s[0] <= room), key=lambda s: s[1] - s[0])
+    return data[:end] + data[start:end] * (allowed - len(spans)) + data[end:]
+
+
+def test_decoding_stops_at_its_time_budget():
+    """An image that passes the structure limits but decodes for longer than the time budget is
+    refused ("too complex") at about the budget, not after the whole decode."""
+    data = slow_allowed_jpeg()
+    t0 = time.perf_counter()
+    assert decode_image(data, max_side=1024, time_budget_s=60).image.size == (1024, 1024)
+    full = time.perf_counter() - t0
+    assert full > 0.1, full  # else the image is no test of the budget
+    t0 = time.perf_counter()
+    with pytest.raises(ImageError, match="took longer than 0.02 s") as info:
+        decode_image(data, max_side=1024, time_budget_s=0.02)
+    assert info.value.reason == "too complex" and time.perf_counter() - t0 < max(0.5 * full, 0.08)
+
+
+def test_server_decode_timeout_is_422_and_frees_the_decoder():
+    """Past ``decode_timeout_s`` an upload gets 422 image_too_complex in one line, and the two
+    decoding threads go on to a small image that arrives behind two slow ones."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("python_multipart")
+    import threading
+
+    from tellkit.server.app import create_app
+    from tellkit.server.limits import Limits
+    from tellkit.server.runner import ServerThread, post
+
+    class Recognizer:
+        info = {"name": "stub-math", "trained": False, "checkpoint": None}
+        task, api_text = "recognize", "latex"
+
+        def __call__(self, images):
+            return [{"text": "x", "tokens": ["x"], "score": 0.0} for _ in images]
+
+    slow = slow_allowed_jpeg()
+    app = create_app({"recognize": Recognizer()}, Limits(decode_timeout_s=0.05), serve_page=False)
+    with ServerThread(app) as srv:
+        answers = []
+        slows = [threading.Thread(target=lambda: answers.append(post(srv.url + "/api/recognize", files={
+            "image": ("s.jpg", slow, "image/jpeg")}))) for _ in range(2)]
+        for t in slows:
+            t.start()
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        s, body = post(srv.url + "/api/recognize", files={"image": ("a.jpg", progressive_jpeg(100), "image/jpeg")})
+        assert s == 200 and time.monotonic() - t0 < 2, body
+        for t in slows:
+            t.join(30)
+    assert [(s, b["error"]) for s, b in answers] == [(422, "image_too_complex")] * 2, answers
+    assert all("took longer than 0.05 s" in b["detail"] and "\n" not in b["detail"] for _, b in answers)

@@ -51,6 +51,8 @@ LIMIT_OPTIONS = {
     "--max-article-chars": ("max_article_chars", int, "article length limit"),
     "--max-decoding": ("max_decoding", int, "images decoded at once; each holds up to ~100 MiB at the default pixel "
                        "limit"),
+    "--decode-timeout": ("decode_timeout_s", float, "seconds one uploaded image's decoding may take; past it "
+                         "the request gets 422 image_too_complex and the decoder moves on"),
     "--header-timeout": ("header_timeout_s", float, "seconds for a request's line and headers to arrive"),
     "--body-idle-timeout": ("body_idle_timeout_s", float, "longest silence in seconds while a request body arrives"),
     "--body-timeout": ("body_timeout_s", float, "seconds for a whole request body to arrive"),

@@ -28,7 +28,8 @@ SETTING_CAPS = {"max_upload_bytes": 1 << 30, "max_image_pixels": 64_000_000, "ma
                 "max_gen_len": MAX_GENERATION_LEN, "max_search_rows": 65_536, "max_stroke_count": 1_000_000,
                 "max_stroke_points": 10_000_000, "max_stroke_chars": 1 << 30, "memory_budget_mb": 1 << 20,
                 "max_buffered_mb": 1 << 20,
-                "request_timeout_s": 3600.0, "header_timeout_s": 3600.0, "body_idle_timeout_s": 3600.0,
+                "request_timeout_s": 3600.0, "decode_timeout_s": 3600.0, "header_timeout_s": 3600.0,
+                "body_idle_timeout_s": 3600.0,
                 "body_timeout_s": 3600.0, "body_grace_s": 3600.0, "min_body_rate": 1 << 30}
 
 
@@ -43,6 +44,7 @@ class Limits:
     max_inflight: int = 32                      # API requests admitted at once (once their body is in); beyond: 503
     max_receiving: int = 512                    # requests whose body is still arriving; beyond: 503 at the headers
     max_decoding: int = 2                       # images decoded at once (bounds the decoders' peak memory)
+    decode_timeout_s: float = 2.0               # one image's decoding; past it 422 and the decoder is free again
     caption_max_side: int = 1600                # larger photos are shrunk first (MTCNN cost grows with pixels)
     math_max_side: int = 1024                   # larger expression images are shrunk (CROHME: < 320k pixels)
     header_timeout_s: float = 10.0              # the request line and headers must arrive within this
@@ -68,8 +70,8 @@ class Limits:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= SETTING_CAPS[name]:
                 raise ValueError(f"{name} must be a whole number from 1 to {SETTING_CAPS[name]:,}, got {v!r}")
-        for name in ("request_timeout_s", "header_timeout_s", "body_idle_timeout_s", "body_timeout_s",
-                     "body_grace_s"):
+        for name in ("request_timeout_s", "decode_timeout_s", "header_timeout_s", "body_idle_timeout_s",
+                     "body_timeout_s", "body_grace_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= SETTING_CAPS[name]:
                 raise ValueError(f"{name} must be a number of seconds above 0 and at most "
@@ -110,14 +112,16 @@ def decode_image(source, limits: Limits, declared_type: str | None = None, max_s
     original ``[width, height]`` or None when not shrunk), or RequestError: 415 for a declared
     non-image type or an unsupported format, 400 for empty or unreadable bytes, 413 over the
     pixel cap, 422 for a degenerate (tiny) image or one whose decoding would take too much work
-    (a JPEG's scans, a PNG's chunks, an animation's frames past their limits)."""
+    (a JPEG's scans, a PNG's chunks, an animation's frames past their limits) or takes longer
+    than ``limits.decode_timeout_s`` (the decode stops there, freeing its thread)."""
 
     if declared_type and not (declared_type.startswith("image/") or declared_type == "application/octet-stream"):
         raise RequestError(415, "unsupported_media_type", "expected an image upload (PNG, JPEG, WebP, BMP or GIF), "
                            f"got content type '{declared_type}'")
     try:
         out = safe_decode(source, max_pixels=limits.max_image_pixels, mode="RGB", max_side=max_side,
-                          formats=tuple(IMAGE_FORMATS), min_side=limits.min_image_side)
+                          formats=tuple(IMAGE_FORMATS), min_side=limits.min_image_side,
+                          time_budget_s=limits.decode_timeout_s)
     except ImageError as exc:
         status, code = _IMAGE_ERRORS.get(exc.reason, (400, "corrupt_image"))
         msg = str(exc)

@@ -30,6 +30,7 @@ import io
 import os
 import re
 import stat
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,29 @@ def max_pixels_default() -> int:
     return DEFAULT_MAX_PIXELS
 
 
+class _TimedFile:
+    """``fp`` whose every read checks the clock: past ``deadline`` (``time.monotonic``) a read
+    raises an :class:`ImageError` ("too complex"). PIL feeds its decoders from reads of at most
+    ``decodermaxblock`` bytes (set to :data:`_READ_PIECE` for a timed decode), and libjpeg decodes
+    a progressive JPEG's scans, zlib a PNG's data, as those bytes arrive, so a decode past its time
+    stops within about one piece's work and gives its thread back."""
+
+    def __init__(self, fp, deadline: float, budget_s: float, where: str):
+        self._fp, self._deadline, self._budget_s, self._where = fp, deadline, budget_s, where
+
+    def read(self, n: int = -1) -> bytes:
+        if time.monotonic() > self._deadline:
+            raise ImageError(f"{self._where}decoding the image took longer than {self._budget_s:g} s",
+                             "too complex")
+        return self._fp.read(n)
+
+    def __getattr__(self, name: str):
+        return getattr(self._fp, name)
+
+
+_READ_PIECE = 16 << 10  # bytes a timed decode reads at once
+
+
 def open_image(source: Source, max_pixels: int | None = None, mode: str = "RGB", max_side: int | None = None,
                formats: tuple[str, ...] | None = SAFE_FORMATS, min_side: int = 1, exif: bool = True):
     """Decode an untrusted image safely (see the module docstring) -> PIL image in ``mode``."""
@@ -91,12 +115,15 @@ def open_image(source: Source, max_pixels: int | None = None, mode: str = "RGB",
 
 
 def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB", max_side: int | None = None,
-                 formats: tuple[str, ...] | None = SAFE_FORMATS, min_side: int = 1, exif: bool = True) -> DecodedImage:
+                 formats: tuple[str, ...] | None = SAFE_FORMATS, min_side: int = 1, exif: bool = True,
+                 time_budget_s: float | None = None) -> DecodedImage:
     """``source``: a path, the file's bytes, or a binary file object. ``mode``: "RGB" or "L".
     ``max_side``: shrink (never enlarge) so the longer side is at most this. ``formats``: PIL
     format names accepted (None: any format PIL can read). ``exif``: turn the image upright as
     its EXIF orientation says (False: the pixels as stored, as the Transform and Tell reference
-    read its data sets' images). Raises :class:`ImageError`."""
+    read its data sets' images). ``time_budget_s``: seconds the decoding may take (None: no
+    limit); past it the decode stops with an :class:`ImageError` ("too complex") and its thread
+    is free again (:class:`_TimedFile`). Raises :class:`ImageError`."""
     from PIL import Image, UnidentifiedImageError  # heavy
 
     if mode not in ("RGB", "L"):
@@ -106,6 +133,8 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
     where = f"{label}: " if label else ""
     try:
         _check_work(fp, where)
+        if time_budget_s is not None:
+            fp = _TimedFile(fp, time.monotonic() + time_budget_s, time_budget_s, where)
         with warnings.catch_warnings():
             # PIL warns at its own (larger) cap and raises past twice that; ours is checked below
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -124,6 +153,8 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
                                      "too small")
                 orientation = _orientation(img) if exif else 1
                 upright = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+                if isinstance(fp, _TimedFile):
+                    img.decodermaxblock = _READ_PIECE
                 out = _decode_small(img, mode, max_side)
     except ImageError:
         raise

@@ -10,6 +10,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -351,3 +352,91 @@ def test_http_versions_other_than_1_0_and_1_1_are_refused(server, version):
         answer = _answer(c)
     assert not answer.startswith(b"HTTP/1.1 200"), answer[:200]
     assert answer.split(b" ")[1] in (b"400", b"505"), answer[:200]
+
+
+# --- the inputs' memory --------------------------------------------------------------------------------
+def test_an_input_hold_takes_and_gives_back_by_part():
+    from tellkit.server.budget import InputBudget, InputHold
+
+    budget = InputBudget(100)
+    a = InputHold(budget, lambda what, n: RequestError(503, "busy", f"{what} {n}"))
+    a.need(60, "image")
+    a.need(10, "article")
+    assert budget.used == 70
+    with pytest.raises(RequestError, match="image 200"), InputHold(budget, a.refuse) as b:
+        b.need(200, "image")  # over the budget while another holds some
+    a.need(20, "image")  # the full-size bitmap has gone: the rest given back
+    assert budget.used == 30 and budget.peak == 70
+    a.close()
+    with InputHold(budget, a.refuse) as alone:
+        alone.need(500, "drawing")  # larger than the budget, admitted when nothing else is held
+        assert budget.used == 500
+    assert budget.used == 0
+
+
+def test_strokes_estimates_cover_what_parsing_takes():
+    import tracemalloc
+
+    from tellkit.server.budget import strokes_kept_bytes, strokes_parse_bytes
+
+    points = json.dumps([[[float(i), float(j)] for j in range(50)] for i in range(200)])
+    for text in (points, "[" + ",".join(["[]"] * 50_000) + "]", "[" + ",".join(["0"] * 50_000) + "]"):
+        tracemalloc.start()
+        try:
+            json.loads(text, parse_int=float)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak <= strokes_parse_bytes(text) <= 3 * peak + len(text), (text[:20], peak)
+    tracemalloc.start()
+    try:
+        kept = parse_strokes(points)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert used <= strokes_kept_bytes(kept) <= 2 * used
+
+
+def _post_headers(url: str, files=None, fields=None):
+    import http.client
+
+    body, ctype = encode_multipart(fields, files)
+    host, port = url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", "/api/recognize", body=body, headers={"Content-Type": ctype})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def test_decoded_inputs_count_against_the_input_budget():
+    """A 1000 x 1000 upload takes 7 MiB while it is decoded and keeps 3 MiB while its request
+    runs: with an 8 MiB budget a second upload (or a 100,000-point drawing) arriving meanwhile
+    gets 503 with Retry-After before it is decoded or parsed; once the first is answered the
+    budget is whole again and the next one is served."""
+    app = create_app({"recognize": Echo(delay=1.5)}, Limits(input_budget_mb=8), max_batch=1, serve_page=False)
+    big = png(1000, 1000)
+    drawing = json.dumps([[[float(i), float(j)] for j in range(50)] for i in range(2_000)])
+    with ServerThread(app) as srv:
+        first = []
+        t = threading.Thread(target=lambda: first.append(post(srv.url + "/api/recognize",
+                                                              files={"image": ("a.png", big, "image/png")})))
+        t.start()
+        _wait(lambda: app.state.inputs.used > 0)
+        assert app.state.inputs.used >= 3 * 1000 * 1000
+        for kw, what in (({"files": {"image": ("b.png", big, "image/png")}}, "image"),
+                         ({"fields": {"strokes": drawing}}, "drawing")):
+            status, headers, body = _post_headers(srv.url, **kw)
+            assert (status, body["error"]) == (503, "busy") and headers.get("retry-after") == "2", body
+            assert f"this {what} needs" in body["detail"] and "\n" not in body["detail"], body
+        t.join(30)
+        assert first and first[0][0] == 200, first
+        assert app.state.inputs.used == 0 and app.state.inputs.peak >= 7 * 1000 * 1000
+        s, body = post(srv.url + "/api/recognize", files={"image": ("c.png", big, "image/png")})
+        assert s == 200, body
+        s, body = post(srv.url + "/api/recognize", fields={"strokes": "[[[0,0],[1,"})  # refused by the parser
+        assert s == 422 and app.state.inputs.used == 0
+        health = json.loads(urllib.request.urlopen(srv.url + "/health", timeout=10).read())
+        assert health["input_budget"]["total_mib"] == 8 and health["input_budget"]["used_mib"] == 0

@@ -63,6 +63,9 @@ LIMIT_OPTIONS = {
                            "once, both models together; an input larger than this runs alone"),
     "--max-buffered-mb": ("max_buffered_mb", int, "request bodies held by all connections at once; a body that "
                           "would pass it is refused with 503 and Retry-After before more is read"),
+    "--input-budget-mb": ("input_budget_mb", int, "estimated memory of the requests' inputs held at once (images "
+                          "being decoded and decoded, strokes being parsed and parsed, articles), taken before the "
+                          "work; a request that would pass it gets 503 and Retry-After"),
 }
 LIMIT_FLAGS = {field: flag for flag, (field, _, _) in LIMIT_OPTIONS.items()}
 

@@ -37,7 +37,18 @@ from tellkit.pipelines.recognition import Strokes
 from tellkit.server.backends import batch_function, bound_generation, public_info, served_models
 from tellkit.server.batching import BatchWorker, MemoryBudget, PriorityPool, QueueFull
 from tellkit.server.body_guard import RequestGuard
-from tellkit.server.budget import FIXED_BYTES, Cost, PrepareOnce, preparer
+from tellkit.server.budget import (
+    FIXED_BYTES,
+    Cost,
+    InputBudget,
+    InputHold,
+    PrepareOnce,
+    article_bytes,
+    image_bytes,
+    preparer,
+    strokes_kept_bytes,
+    strokes_parse_bytes,
+)
 from tellkit.server.limits import Limits, RequestError, check_article, decode_image
 from tellkit.server.samples import sample_file, sample_index
 from tellkit.utils.optional import require
@@ -72,6 +83,7 @@ def create_app(models: Mapping[str, Any] | None = None, limits: Limits | None = 
     workers: dict[str, BatchWorker] = {}
     costs: dict[str, InputCost] = {}
     budget = MemoryBudget(limits.memory_budget_bytes)  # shared: the batches of every model together
+    inputs = InputBudget(limits.input_budget_bytes)  # decoded images, parsed strokes, articles
     served = served_models(models)
     for name, backend in served.items():
         if backend is not None:  # the search bounded, and fewer images per pass for a wide beam
@@ -101,6 +113,7 @@ def create_app(models: Mapping[str, Any] | None = None, limits: Limits | None = 
                           redirect_slashes=False,
                           description="Transform and Tell captions and BTTR handwritten-math recognition.", **extra)
     app.state.workers, app.state.limits, app.state.models, app.state.budget = workers, limits, models, budget
+    app.state.inputs = inputs
     counters = {"inflight": 0, "receiving": 0, "buffered": 0}
     add_error_handlers(app, limits)
     add_routes(app, models, workers, counters, ModelRunner(workers, limits, costs), reader, serve_page)
@@ -228,13 +241,20 @@ class ImageReader:
         self.limits = limits
         self.pool = PriorityPool(limits.max_decoding, "tellkit-decode")
 
-    def _decode(self, upload, max_side: int):
+    def _decode(self, upload, max_side: int, hold: InputHold | None):
         upload.file.seek(0)
-        return decode_image(upload.file, self.limits, upload.content_type, max_side)
+        if hold is None:
+            return decode_image(upload.file, self.limits, upload.content_type, max_side)
+        img, original = decode_image(upload.file, self.limits, upload.content_type, max_side,
+                                     before_decoding=lambda w, h, out: hold.need(image_bytes(w, h, out), "image"))
+        hold.need(image_bytes(*img.size), "image")  # the full-size bitmap has gone
+        return img, original
 
-    async def read(self, upload, max_side: int) -> Any:
+    async def read(self, upload, max_side: int, hold: InputHold | None = None) -> Any:
+        """The upload decoded (:func:`~tellkit.server.limits.decode_image`); with ``hold``, the
+        memory of the decoding is taken from the input budget before any pixel is decoded."""
         weight = (getattr(upload, "size", None) or 0) * self.WEIGHT_PER_BYTE
-        return await asyncio.wrap_future(self.pool.submit(self._decode, upload, max_side, weight_s=weight))
+        return await asyncio.wrap_future(self.pool.submit(self._decode, upload, max_side, hold, weight_s=weight))
 
     async def call(self, fn, *args, pixels: int = 0) -> Any:
         """``fn(*args)`` on the decoding threads (parsing strokes, preparing an input of ``pixels``)."""
@@ -311,15 +331,16 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
     """/health, /api/caption, /api/recognize and (``serve_page``) the demo page."""
     from fastapi import File, Form, UploadFile  # optional
 
-    limits, schemas = app.state.limits, response_models()
+    limits, schemas, inputs = app.state.limits, response_models(), app.state.inputs
     errors = {c: {"model": schemas["error"], "description": ERROR_TEXT[c]} for c in (400, 413, 415, 422, 503, 504)}
+    refuse = input_refusal(inputs)
 
     @app.get("/health", tags=["status"], summary="Server status and the models it serves")
     def health() -> dict:
         return {"status": "ok", "version": _version(), "models": models,
                 "workers": {k: w.snapshot() for k, w in workers.items()}, "inflight": counters["inflight"],
                 "receiving": counters["receiving"], "buffered_bytes": counters["buffered"],
-                "memory_budget": _budget_info(app.state.budget),
+                "memory_budget": _budget_info(app.state.budget), "input_budget": _budget_info(inputs),
                 "limits": {k: getattr(limits, k) for k in limits.__dataclass_fields__}}
 
     @app.post("/api/caption", tags=["models"], summary="Caption an image, optionally in the context of an article",
@@ -328,9 +349,11 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
                       article: str | None = Form(None, description="article text (optional)")) -> dict:
         t0 = time.perf_counter()
         text = check_article(article, limits)
-        img, original = await reader.read(image, limits.caption_max_side)
-        cost = await runner.cost("caption", (img, text), reader)
-        res = await runner.run("caption", (img, text), t0, cost)
+        with InputHold(inputs, refuse) as hold:  # the inputs' memory, given back when the answer is in
+            hold.need(article_bytes(text), "article")
+            img, original = await reader.read(image, limits.caption_max_side, hold)
+            cost = await runner.cost("caption", (img, text), reader)
+            res = await runner.run("caption", (img, text), t0, cost)
         return {**res, "resized_from": original, "model": models["caption"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
@@ -343,12 +366,14 @@ def add_routes(app, models: dict, workers: dict, counters: dict, runner: ModelRu
         t0 = time.perf_counter()
         if (image is None) == (strokes is None):
             raise RequestError(422, "invalid_request", "send exactly one of 'image' (a file) or 'strokes' (JSON)")
-        if strokes is not None:
-            item, original = await reader.call(parse_strokes, strokes, limits, pixels=len(strokes) // 4), None
-        else:
-            item, original = await reader.read(image, limits.math_max_side)
-        cost = await runner.cost("recognize", item, reader)
-        res = await runner.run("recognize", item, t0, cost)
+        with InputHold(inputs, refuse) as hold:
+            if strokes is not None:
+                item, original = await reader.call(parse_strokes_held, strokes, limits, hold,
+                                                   pixels=len(strokes) // 4), None
+            else:
+                item, original = await reader.read(image, limits.math_max_side, hold)
+            cost = await runner.cost("recognize", item, reader)
+            res = await runner.run("recognize", item, t0, cost)
         return {**res, "resized_from": original, "model": models["recognize"],
                 "elapsed_ms": round((time.perf_counter() - t0) * 1000, 1)}
 
@@ -420,7 +445,27 @@ def parse_strokes(text: str, limits: Limits | None = None):
     return Strokes(out)
 
 
-def _budget_info(budget: MemoryBudget) -> dict:
+def parse_strokes_held(text: str, limits: Limits, hold: InputHold):
+    """:func:`parse_strokes` within the input budget: the parse's memory is taken first (503 past
+    the budget), then only what the parsed drawing keeps."""
+    hold.need(strokes_parse_bytes(text), "drawing")
+    strokes = parse_strokes(text, limits)
+    hold.need(strokes_kept_bytes(strokes), "drawing")
+    return strokes
+
+
+def input_refusal(budget: InputBudget):
+    """``refuse(what, n)`` of an :class:`~tellkit.server.budget.InputHold`: a 503 busy."""
+
+    def refuse(what: str, n: int) -> RequestError:
+        return RequestError(503, "busy", f"the server holds {budget.used / (1 << 20):.0f} MiB of requests' inputs "
+                            f"(budget {budget.total >> 20} MiB) and this {what} needs {n / (1 << 20):.1f} MiB; "
+                            "retry shortly", retry_after=2)
+
+    return refuse
+
+
+def _budget_info(budget: MemoryBudget | InputBudget) -> dict:
     return {"total_mib": budget.total >> 20, "used_mib": budget.used >> 20, "peak_mib": budget.peak >> 20}
 
 

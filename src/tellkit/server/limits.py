@@ -27,7 +27,7 @@ SETTING_CAPS = {"max_upload_bytes": 1 << 30, "max_image_pixels": 64_000_000, "ma
                 "caption_max_side": 8192, "math_max_side": 8192, "max_beam_size": MAX_BEAM_SIZE,
                 "max_gen_len": MAX_GENERATION_LEN, "max_search_rows": 65_536, "max_stroke_count": 1_000_000,
                 "max_stroke_points": 10_000_000, "max_stroke_chars": 1 << 30, "memory_budget_mb": 1 << 20,
-                "max_buffered_mb": 1 << 20,
+                "max_buffered_mb": 1 << 20, "input_budget_mb": 1 << 20,
                 "request_timeout_s": 3600.0, "decode_timeout_s": 3600.0, "header_timeout_s": 3600.0,
                 "body_idle_timeout_s": 3600.0,
                 "body_timeout_s": 3600.0, "body_grace_s": 3600.0, "min_body_rate": 1 << 30}
@@ -61,12 +61,13 @@ class Limits:
     max_stroke_chars: int = 5_000_000           # characters of the 'strokes' field (~40 a point at full precision)
     memory_budget_mb: int = 384                 # estimated model working memory of the batches running at once
     max_buffered_mb: int = 128                  # request bodies held by all connections at once; beyond: 503
+    input_budget_mb: int = 256                  # decoded images, parsed strokes, articles held at once; beyond: 503
 
     def __post_init__(self):
         for name in ("max_upload_bytes", "max_image_pixels", "max_article_chars", "max_queue", "max_inflight",
                      "max_receiving", "max_decoding", "caption_max_side", "math_max_side", "max_beam_size",
                      "max_gen_len", "max_search_rows", "max_stroke_count", "max_stroke_points", "max_stroke_chars",
-                     "memory_budget_mb", "max_buffered_mb", "min_body_rate"):
+                     "memory_budget_mb", "max_buffered_mb", "input_budget_mb", "min_body_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= SETTING_CAPS[name]:
                 raise ValueError(f"{name} must be a whole number from 1 to {SETTING_CAPS[name]:,}, got {v!r}")
@@ -86,6 +87,10 @@ class Limits:
     @property
     def max_buffered_bytes(self) -> int:
         return self.max_buffered_mb << 20
+
+    @property
+    def input_budget_bytes(self) -> int:
+        return self.input_budget_mb << 20
 
 
 class RequestError(Exception):
@@ -107,13 +112,16 @@ _IMAGE_ERRORS = {"empty": (400, "empty_file"), "not an image": (415, "not_an_ima
                  "too complex": (422, "image_too_complex")}
 
 
-def decode_image(source, limits: Limits, declared_type: str | None = None, max_side: int | None = None):
+def decode_image(source, limits: Limits, declared_type: str | None = None, max_side: int | None = None,
+                 before_decoding=None):
     """Bytes (or a binary file) of an uploaded image -> (RGB PIL image no longer than ``max_side``,
     original ``[width, height]`` or None when not shrunk), or RequestError: 415 for a declared
     non-image type or an unsupported format, 400 for empty or unreadable bytes, 413 over the
     pixel cap, 422 for a degenerate (tiny) image or one whose decoding would take too much work
     (a JPEG's scans, a PNG's chunks, an animation's frames past their limits) or takes longer
-    than ``limits.decode_timeout_s`` (the decode stops there, freeing its thread)."""
+    than ``limits.decode_timeout_s`` (the decode stops there, freeing its thread).
+    ``before_decoding(width, height, out_size)``: called before any pixel is decoded (what it
+    raises is raised)."""
 
     if declared_type and not (declared_type.startswith("image/") or declared_type == "application/octet-stream"):
         raise RequestError(415, "unsupported_media_type", "expected an image upload (PNG, JPEG, WebP, BMP or GIF), "
@@ -121,7 +129,7 @@ def decode_image(source, limits: Limits, declared_type: str | None = None, max_s
     try:
         out = safe_decode(source, max_pixels=limits.max_image_pixels, mode="RGB", max_side=max_side,
                           formats=tuple(IMAGE_FORMATS), min_side=limits.min_image_side,
-                          time_budget_s=limits.decode_timeout_s)
+                          time_budget_s=limits.decode_timeout_s, before_decoding=before_decoding)
     except ImageError as exc:
         status, code = _IMAGE_ERRORS.get(exc.reason, (400, "corrupt_image"))
         msg = str(exc)

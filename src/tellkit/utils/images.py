@@ -32,6 +32,7 @@ import re
 import stat
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Union
@@ -116,14 +117,17 @@ def open_image(source: Source, max_pixels: int | None = None, mode: str = "RGB",
 
 def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB", max_side: int | None = None,
                  formats: tuple[str, ...] | None = SAFE_FORMATS, min_side: int = 1, exif: bool = True,
-                 time_budget_s: float | None = None) -> DecodedImage:
+                 time_budget_s: float | None = None,
+                 before_decoding: Callable[[int, int, tuple[int, int]], None] | None = None) -> DecodedImage:
     """``source``: a path, the file's bytes, or a binary file object. ``mode``: "RGB" or "L".
     ``max_side``: shrink (never enlarge) so the longer side is at most this. ``formats``: PIL
     format names accepted (None: any format PIL can read). ``exif``: turn the image upright as
     its EXIF orientation says (False: the pixels as stored, as the Transform and Tell reference
     read its data sets' images). ``time_budget_s``: seconds the decoding may take (None: no
     limit); past it the decode stops with an :class:`ImageError` ("too complex") and its thread
-    is free again (:class:`_TimedFile`). Raises :class:`ImageError`."""
+    is free again (:class:`_TimedFile`). ``before_decoding(width, height, out_size)``: called once
+    the header has passed the checks, before any pixel is decoded (the server takes the memory
+    the decoding needs there; what it raises is raised). Raises :class:`ImageError`."""
     from PIL import Image, UnidentifiedImageError  # heavy
 
     if mode not in ("RGB", "L"):
@@ -153,6 +157,8 @@ def decode_image(source: Source, max_pixels: int | None = None, mode: str = "RGB
                                      "too small")
                 orientation = _orientation(img) if exif else 1
                 upright = (h, w) if orientation in (5, 6, 7, 8) else (w, h)
+                if before_decoding is not None:
+                    before_decoding(w, h, _target((w, h), max_side) or (w, h))
                 if isinstance(fp, _TimedFile):
                     img.decodermaxblock = _READ_PIECE
                 out = _decode_small(img, mode, max_side)

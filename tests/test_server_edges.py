@@ -61,8 +61,9 @@ def test_bodies_held_across_connections_are_capped_with_503_retry_after():
 
     from tellkit.server.runner import encode_multipart, post
 
-    app = create_app({"recognize": StubRecognizer()}, Limits(max_buffered_mb=1, body_idle_timeout_s=5),
-                     serve_page=False)
+    # a held body is never cut for room here (stalled_body_s): the newcomer waits, then gets 503
+    app = create_app({"recognize": StubRecognizer()}, Limits(max_buffered_mb=1, body_idle_timeout_s=5,
+                                                             stalled_body_s=30), serve_page=False)
     with ServerThread(app) as srv:
         host, port = srv.url.split("//")[1].split(":")
         data, ctype = encode_multipart({"strokes": "x" * 700_000})
@@ -81,6 +82,37 @@ def test_bodies_held_across_connections_are_capped_with_503_retry_after():
         s, b = post(srv.url + "/api/recognize", files={"image": ("a.png", _png(), "image/png")})
         assert s == 200, b
 
+
+
+def test_a_full_body_buffer_cuts_the_stalled_bodies_for_one_that_arrives():
+    """Bodies that stall hold the buffer no longer than ``stalled_body_s`` once it is full: an
+    upload arriving then waits, the longest silent body is cut with 408, and the upload is read
+    and answered (it took a 503 for as long as the stalled bodies were let be)."""
+    import json
+    import socket
+    import time
+
+    from tellkit.server.runner import encode_multipart
+
+    app = create_app({"recognize": StubRecognizer()}, Limits(max_buffered_mb=1, body_idle_timeout_s=10),
+                     serve_page=False)
+    with ServerThread(app) as srv:
+        host, port = srv.url.split("//")[1].split(":")
+        data, ctype = encode_multipart({"strokes": "x" * 700_000})
+        head = (f"POST /api/recognize HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(data)}\r\n\r\n").encode()
+        held = socket.create_connection((host, int(port)), timeout=20)
+        held.sendall(head + data[:-200])  # 700 kB held, the last bytes never sent
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        status, _, body = ask(srv, "POST", "/api/recognize", data, {"Content-Type": ctype})
+        took = time.monotonic() - t0
+        assert status == 422 and b"bad_input" in body and took < 3, (status, body[:200], took)  # read, parsed
+        cut = held.recv(4096)
+        assert cut.startswith(b"HTTP/1.1 408") and b"stalled" in cut and b"request_timeout" in cut, cut[:300]
+        held.close()
+        time.sleep(0.3)
+        assert json.loads(ask(srv, "GET", "/health")[2])["buffered_bytes"] == 0
 
 def _png():
     import io

@@ -20,6 +20,8 @@ import time
 from tellkit.server.limits import Limits, RequestError, check_framing, check_range, multipart_boundary
 from tellkit.utils.memory import release_memory
 
+ROOM_WAIT_S = 2.0  # seconds a chunk waits for room in a full body buffer before its request gets 503
+
 
 class _Refused(Exception):
     """Raised into the app when the request body is refused (the guard answers instead)."""
@@ -111,7 +113,9 @@ class _Body:
     def __init__(self, receive, limits: Limits, content_type: bytes | None, admit=None, held: dict | None = None):
         self._receive, self.limits, self.admit = receive, limits, admit
         self.held = held if held is not None else {"buffered": 0}  # bytes of bodies held, all connections
-        self.seen, self.done, self.t0 = 0, False, None
+        self.seen, self.done, self.t0, self.last = 0, False, None, time.monotonic()
+        self.waiter: asyncio.Future | None = None  # the pending receive, while waiting for data
+        self.evicted = False  # cut to make room in a full body buffer (see _room)
         self.refusal: RequestError | None = None
         self.discard_rest = False
         self.scanner = None
@@ -129,17 +133,54 @@ class _Body:
         total = self.t0 + lim.body_timeout_s
         rate = self.t0 + lim.body_grace_s + self.seen / lim.min_body_rate
         end = min(total, rate, now + lim.body_idle_timeout_s)
-        try:
-            if end <= now:
-                raise asyncio.TimeoutError()
-            return await asyncio.wait_for(self._receive(), end - now)
-        except asyncio.TimeoutError:
-            if end >= total:
-                raise TimeoutError(f"the request body did not arrive within {lim.body_timeout_s:g} s") from None
-            if end >= rate:
-                raise TimeoutError(f"the request body arrived at under {lim.min_body_rate:,} bytes/s ({self.seen:,} "
-                                   f"bytes in {time.monotonic() - self.t0:.0f} s)") from None
-            raise TimeoutError(f"no request data for {lim.body_idle_timeout_s:g} s") from None
+        if end > now:
+            self.waiter = fut = asyncio.ensure_future(self._receive())
+            try:
+                await asyncio.wait({fut}, timeout=end - now)
+            finally:
+                self.waiter = None
+                if not fut.done():
+                    fut.cancel()
+            if fut.done() and not fut.cancelled():
+                return fut.result()
+        if self.evicted:
+            raise TimeoutError(f"the request body stalled for {time.monotonic() - self.last:.1f} s while the "
+                               f"server's {lim.max_buffered_mb} MiB of request bodies were full")
+        if end >= total:
+            raise TimeoutError(f"the request body did not arrive within {lim.body_timeout_s:g} s")
+        if end >= rate:
+            raise TimeoutError(f"the request body arrived at under {lim.min_body_rate:,} bytes/s ({self.seen:,} "
+                               f"bytes in {time.monotonic() - self.t0:.0f} s)")
+        raise TimeoutError(f"no request data for {lim.body_idle_timeout_s:g} s")
+
+    async def _room(self, n: int) -> bool:
+        """Wait (at most ``ROOM_WAIT_S``) until ``n`` more bytes fit under ``max_buffered_mb``,
+        cutting (408) the bodies that have been silent for ``stalled_body_s`` or longer, the
+        longest silent first, as far as needed: a full buffer goes to the uploads that are
+        arriving, not to the ones that stall. -> whether they fit."""
+        cap, until = self.limits.max_buffered_bytes, time.monotonic() + ROOM_WAIT_S
+        while True:
+            bodies = self.held.get("bodies", ())
+            leaving = sum(b.seen for b in bodies if b.evicted)  # cut, their bytes not yet given back
+            if self.held["buffered"] + n <= cap:
+                return True
+            now = time.monotonic()
+            if now >= until:
+                return False
+            over = self.held["buffered"] - leaving + n - cap
+            silent = [b for b in bodies if b is not self and b.waiter is not None and not b.evicted and b.seen
+                      and now - b.last >= self.limits.stalled_body_s]
+            for body in sorted(silent, key=lambda b: b.last):
+                if over <= 0:
+                    break
+                body.evict()
+                over -= body.seen
+            await asyncio.sleep(0.02)
+
+    def evict(self) -> None:
+        self.evicted = True
+        if self.waiter is not None:
+            self.waiter.cancel()
 
     def refuse(self, err: RequestError, discard_rest: bool):
         self.refusal, self.discard_rest = err, discard_rest
@@ -158,11 +199,13 @@ class _Body:
             self.done = True
             return msg
         chunk = msg.get("body", b"")
-        if self.held["buffered"] + len(chunk) > self.limits.max_buffered_bytes:
+        self.last = time.monotonic()
+        if self.held["buffered"] + len(chunk) > self.limits.max_buffered_bytes and not await self._room(len(chunk)):
             self.refuse(RequestError(503, "busy", f"the server holds {self.limits.max_buffered_mb} MiB of request "
                                      "bodies; retry shortly", retry_after=5), discard_rest=True)
         self.seen += len(chunk)
         self.held["buffered"] += len(chunk)  # given back by release() when the request ends
+        self.held.setdefault("bodies", set()).add(self)  # the bodies holding bytes (release() takes it out)
         self.done = not msg.get("more_body", False)
         if self.seen > self.limits.max_upload_bytes:
             self.refuse(_too_large(self.limits), discard_rest=True)
@@ -179,6 +222,7 @@ class _Body:
     def release(self) -> int:
         """The request has ended: its body no longer counts against ``max_buffered_mb``; -> its bytes."""
         self.held["buffered"] -= self.seen
+        self.held.get("bodies", set()).discard(self)
         seen, self.seen = self.seen, 0
         return seen
 

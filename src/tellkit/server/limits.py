@@ -30,7 +30,7 @@ SETTING_CAPS = {"max_upload_bytes": 1 << 30, "max_image_pixels": 64_000_000, "ma
                 "max_buffered_mb": 1 << 20, "input_budget_mb": 1 << 20,
                 "request_timeout_s": 3600.0, "decode_timeout_s": 3600.0, "header_timeout_s": 3600.0,
                 "body_idle_timeout_s": 3600.0,
-                "body_timeout_s": 3600.0, "body_grace_s": 3600.0, "min_body_rate": 1 << 30}
+                "body_timeout_s": 3600.0, "body_grace_s": 3600.0, "stalled_body_s": 3600.0, "min_body_rate": 1 << 30}
 
 
 @dataclass
@@ -52,6 +52,7 @@ class Limits:
     body_timeout_s: float = 120.0               # the whole body must arrive within this
     body_grace_s: float = 10.0                  # after this the body must keep up min_body_rate on average ...
     min_body_rate: int = 8 * 1024               # ... bytes a second (a slow upload is cut, not waited for)
+    stalled_body_s: float = 1.0                 # a body silent this long is cut (408) when the body buffer is full
     max_discard_bytes: int = 64 * 1024 * 1024   # rest of a refused body read and dropped so the client gets the answer
     max_beam_size: int = 16                     # a checkpoint's larger beam is served at this width
     max_gen_len: int = 256                      # a checkpoint's longer max_len is served at this length
@@ -72,7 +73,7 @@ class Limits:
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= SETTING_CAPS[name]:
                 raise ValueError(f"{name} must be a whole number from 1 to {SETTING_CAPS[name]:,}, got {v!r}")
         for name in ("request_timeout_s", "decode_timeout_s", "header_timeout_s", "body_idle_timeout_s",
-                     "body_timeout_s", "body_grace_s"):
+                     "body_timeout_s", "body_grace_s", "stalled_body_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= SETTING_CAPS[name]:
                 raise ValueError(f"{name} must be a number of seconds above 0 and at most "

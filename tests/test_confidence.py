@@ -359,4 +359,5 @@ def test_the_packaged_reader_flags_noise_and_stops_early(capsys, tmp_path):
     Image.fromarray((np.random.RandomState(0).rand(120, 160) * 255).astype("uint8")).save(noise)
     assert main(["recognize", str(noise), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["unsure"] is True and res["confidence"] < 0.05 and len(res["tokens"]) <= 64
+    # stopped early: well under half of the search's 200-token limit
+    assert res["unsure"] is True and res["confidence"] < 0.05 and len(res["tokens"]) < 100

@@ -6,7 +6,10 @@ and short functions in ``server/`` and ``convert/``."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +201,20 @@ def test_one_module_is_named_checkpoint():
     (a run's training states are ``training.run_states``)."""
     named = sorted(m for m in MODULES if m.rsplit(".", 1)[-1].startswith("checkpoint"))
     assert named == ["tellkit.checkpoint"], named
+
+
+def test_help_and_the_parser_do_not_import_torch():
+    """``tellkit --help`` and building the parser stay free of torch (the commands import it in run())."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC.parent), os.environ.get("PYTHONPATH", "")])}
+    code = ("import sys, contextlib, io\n"
+            "from tellkit.cli import build_parser, main\n"
+            "build_parser()\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    try:\n"
+            "        main(['--help'])\n"
+            "    except SystemExit:\n"
+            "        pass\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

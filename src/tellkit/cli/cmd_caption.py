@@ -36,7 +36,6 @@ from tellkit.cli import (
     expand_inputs,
     note_dtype,
 )
-from tellkit.cli.answers import print_plain
 from tellkit.errors import TellkitError
 
 NAME = "caption"
@@ -71,6 +70,7 @@ def read_article(path: str) -> str:
 
 
 def run(args) -> int:
+    from tellkit.cli.answers import print_plain  # heavy
     from tellkit.encoders.preprocess import load_image  # heavy
 
     if (args.beam_size is not None and args.beam_size < 1) or (args.max_len is not None and args.max_len < 1):

@@ -23,7 +23,6 @@ from tellkit.cli import (
     note_dtype,
     positive_float,
 )
-from tellkit.cli.answers import print_plain
 from tellkit.errors import TellkitError
 
 NAME = "recognize"
@@ -50,6 +49,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from tellkit.cli.answers import print_plain  # heavy
     from tellkit.pipelines.recognition import RecognitionPipeline  # heavy
 
     if args.beam_size is not None and args.beam_size < 1:
@@ -76,6 +76,8 @@ def run(args) -> int:
 
 def _pages(pipe, paths, args) -> int:
     """``--lines``: one answer a line of each page (``PATH:LINE`` names a line when there are several pages)."""
+    from tellkit.cli.answers import print_plain  # heavy
+
     for path in paths:
         for r in pipe.read_page(path, batch_size=args.batch_size):
             if args.json:

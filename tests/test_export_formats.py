@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -31,3 +32,18 @@ def test_a_family_without_a_reference_format_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "no export to the reference format for 'show_attend_tell'" in err and "\n" not in err
     assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_help_lists_only_the_three_formats(capsys):
+    try:
+        main(["export", "--help"])
+    except SystemExit:
+        pass
+    text = capsys.readouterr().out
+    assert "{safetensors,onnx,reference}" in text
+    assert "checkpoint}" not in text and "checkpoint," not in text
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error
+        main(["export", "x", "--format", "nonsense", "--out", "y"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "choose from safetensors, onnx, reference" in err and "checkpoint" not in err

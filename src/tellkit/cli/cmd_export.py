@@ -9,6 +9,7 @@ folder's best) written out in another form, one module of :mod:`tellkit.export` 
 - ``reference``: the reference implementation's checkpoint file (BTTR's Lightning ``.ckpt``)."""
 from __future__ import annotations
 
+import argparse
 import sys
 
 from tellkit.errors import TellkitError
@@ -19,12 +20,19 @@ from tellkit.utils.runlock import pruned_while_reading, reading_states
 NAME = "export"
 HELP = ("write a checkpoint (or a run's best) as a compact inference checkpoint (float16 weights), "
         "as ONNX graphs, or as the reference implementation's .ckpt")
-OLD_FORMATS = {"checkpoint": "safetensors"}  # earlier names a user may still type
+OLD_FORMATS = {"checkpoint": "safetensors"}  # accepted with a deprecation line, never listed
+
+
+def export_format(text: str) -> str:
+    """A --format value: one of FORMATS (what --help lists), or a deprecated name of one."""
+    if text in FORMATS or text in OLD_FORMATS:
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(FORMATS)})")
 
 
 def add_arguments(p) -> None:
     p.add_argument("src", help="a checkpoint folder, or a run folder of tellkit train (its best checkpoint)")
-    p.add_argument("--format", choices=FORMATS + tuple(OLD_FORMATS), default="safetensors",
+    p.add_argument("--format", type=export_format, metavar="{" + ",".join(FORMATS) + "}", default="safetensors",
                    help="safetensors (default): a compact tellkit checkpoint folder; onnx: the checkpoint as it is, "
                         "with its model as ONNX graphs for --runtime onnx (needs the onnx extra); reference: the "
                         "reference implementation's checkpoint file (BTTR), --out names the new .ckpt")

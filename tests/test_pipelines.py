@@ -295,3 +295,16 @@ def test_evaluate_with_dtype_writes_under_runs_and_names_the_dtype(tmp_path, mon
     summary = tmp_path / "runs" / "eval" / "bttr" / "metrics_test.json"
     assert Path(report["summary"]).resolve() == summary and not (ckpt / "eval").exists()
     assert "no native bfloat16" in json.loads(summary.read_text())["dtype_note"]
+
+
+def test_feature_extraction_picks_its_device_like_every_command():
+    """FeatureConfig.device None goes through the one resolver (the GPU when present, else the CPU)."""
+    import torch
+
+    from tellkit.encoders.features import FeatureConfig, _bundle
+    from tellkit.utils.precision import resolve_device
+
+    assert FeatureConfig().device is None
+    assert _bundle(FeatureConfig()).device == resolve_device(None)
+    assert _bundle(FeatureConfig(device="cpu")).device == torch.device("cpu")
+    assert "device" not in FeatureConfig().identity()

@@ -44,6 +44,7 @@ from tellkit.encoders import shards
 from tellkit.encoders.bundle import FACE_DIM, OBJECT_DIM, CaptionInput, EncoderBundle, EncodersConfig
 from tellkit.encoders.preprocess import ImageLoadError, load_image
 from tellkit.errors import TellkitError
+from tellkit.utils.precision import resolve_device
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 FORMAT_VERSION = 1
@@ -66,7 +67,7 @@ class FeatureConfig:
     shard_size: int = 256
     batch_size: int = 16
     max_pixels: int | None = None
-    device: str = "cpu"
+    device: str | None = None  # None: the GPU when one is present, else the CPU (resolve_device)
 
     @property
     def contexts(self) -> tuple[str, ...]:
@@ -146,7 +147,8 @@ def _read_meta(path: Path) -> dict | None:
 def _bundle(cfg: FeatureConfig) -> EncoderBundle:
     # items carry the article context already shaped by the caller (paragraphs, image position)
     return EncoderBundle(cfg.encoders, cfg.contexts, max_article_tokens=cfg.max_article_tokens,
-                         context_mode="location_aware", context_policy=cfg.context_policy, device=cfg.device)
+                         context_mode="location_aware", context_policy=cfg.context_policy,
+                         device=resolve_device(cfg.device))
 
 
 def _encode_shard(items: Sequence[CaptionInput], bundle: EncoderBundle, cfg: FeatureConfig,

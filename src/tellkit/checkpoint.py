@@ -359,7 +359,7 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
         raise TellkitError(f"{d}: holds a '{meta['family']}' model, not {expect.__name__}")
     check_config_values(meta["config"], where)
     upgrade = getattr(entry.config_cls, "upgrade_checkpoint_config", None)
-    if upgrade is not None:  # a family's configs written by older versions of tellkit
+    if upgrade is not None:  # a family's configs lacking fields it now has
         meta["config"] = upgrade(dict(meta["config"]), meta)
     cfg = from_dict(entry.config_cls, meta["config"], where)
     try:

@@ -1,6 +1,6 @@
 """`tellkit convert SRC --out DIR`: import a reference implementation's checkpoint.
 
-``--to reference`` (export a tellkit checkpoint to the reference's format) is the earlier
+``--to reference`` (export a tellkit checkpoint to the reference's format) is a deprecated
 spelling of ``tellkit export --format reference``: it still works and says so."""
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-article-tokens", type=int, default=512,
                    help="the article encoder's token budget, special tokens included (default: 512)")
     p.add_argument("--context-policy", default="reference", choices=("reference", "cut"),
-                   help="which article text is read: the reference's rules (default) or tellkit's earlier builder")
+                   help="which article text is read: the reference's rules (default) or a compact builder (cut)")
     p.add_argument("--objects", action="store_true",
                    help="also store object vectors: those the data set ships (NYTimes800k), else YOLOv3 + ResNet-152 "
                         "detected in the images (needs --object-weights)")

@@ -6,8 +6,8 @@ split, article and image is found by key, and object vectors are read only when 
     store.article("5a1b...")       # one article by id
     store.object_document("<image hash>")  # decoded when asked (None: the image has none)
 
-NYTimes800k's ``mongodump --archive --gzip`` file is one gzip stream: reading a split used to
-mean decompressing and decoding the whole archive again (4.4 ms an article). Indexing scans it
+NYTimes800k's ``mongodump --archive --gzip`` file is one gzip stream: reading a split without
+an index means decompressing and decoding the whole archive again (4.4 ms an article). Indexing scans it
 once, with a progress bar: each article is decoded (its bulky ``parts_of_speech`` skipped) and
 stored compressed under its id with its split; each ``objects`` document is stored as its raw
 BSON bytes under the image hash, undecoded, and decoded only when a sample's objects are read

@@ -23,9 +23,9 @@ Policy ``"reference"`` (default), the rules of the reference code:
   by blank lines), its first ``first_words`` space-separated words, cut at ``max_tokens`` by the
   encoder.
 
-Policy ``"cut"`` (tellkit's earlier builder): the title, the first paragraph, then paragraphs
-alternately above and below the image (:func:`reading_order`) while they fit; the paragraph that
-no longer fits is cut at a word boundary and building stops; whitespace is normalised.
+Policy ``"cut"`` (a compact builder, not the reference's rules): the title, the first
+paragraph, then paragraphs alternately above and below the image (:func:`reading_order`) while
+they fit; the first paragraph that does not fit is cut at a word boundary and building stops; whitespace is normalised.
 
 ``count_tokens`` defaults to the caption tokenizer (RoBERTa BPE, as the paper's "510 BPE
 tokens"); pass the article encoder's own counter when it is not RoBERTa. ``tokenize`` (optional)

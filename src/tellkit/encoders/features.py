@@ -91,7 +91,7 @@ class FeatureConfig:
                  "object_cfg": (e.object_cfg if self.objects else None, None),
                  "object_resnet_weights": (e.object_resnet_weights if self.objects else None, None)}
         d.update({k: v for k, (v, default) in later.items() if v != default})
-        if self.article:  # article states made with the earlier context builder are not reused
+        if self.article:  # article states made by another context policy are not reused
             d["context_policy"] = self.context_policy
         return d
 

@@ -119,7 +119,7 @@ class LRSchedule:
         return self.opt.param_groups[0]["lr"]
 
     def as_key(self, value: float | Sequence[float] | None) -> tuple[float, ...] | None:
-        """A bare monitor value (older states, callers without tie-breakers) as a signed key."""
+        """A bare monitor value (states without tie-breakers, callers without them) as a signed key."""
         if value is None or isinstance(value, (list, tuple)):
             return None if value is None else tuple(value)
         return (float(value) if self.mode == "max" else -float(value),)
@@ -196,7 +196,7 @@ def _writing(run_dir: Path):
 def logged_train_seconds(train_log: Path) -> float:
     """Wall seconds of training in a run's ``train_log.csv`` over every process that trained it:
     ``elapsed_s`` goes on across resumes (:attr:`TrainerState.seconds`), except after states saved
-    without that clock (older runs), where it starts again at zero; each such restart adds the
+    without that clock (states without ``seconds``), where it starts again at zero; each such restart adds the
     previous process's last value. 0.0 for a missing or column-less log."""
     total = last = 0.0
     try:

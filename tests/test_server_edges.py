@@ -94,8 +94,8 @@ def test_a_full_body_buffer_cuts_the_stalled_bodies_for_one_that_arrives():
 
     from tellkit.server.runner import encode_multipart
 
-    app = create_app({"recognize": StubRecognizer()}, Limits(max_buffered_mb=1, body_idle_timeout_s=10),
-                     serve_page=False)
+    app = create_app({"recognize": StubRecognizer()}, Limits(max_buffered_mb=1, body_idle_timeout_s=10,
+                                                             stalled_body_s=1), serve_page=False)
     with ServerThread(app) as srv:
         host, port = srv.url.split("//")[1].split(":")
         data, ctype = encode_multipart({"strokes": "x" * 700_000})

@@ -155,7 +155,7 @@ class _Body:
 
     async def _room(self, n: int) -> bool:
         """Wait (at most ``ROOM_WAIT_S``) until ``n`` more bytes fit under ``max_buffered_mb``,
-        cutting (408) the bodies that have been silent for ``stalled_body_s`` or longer, the
+        cutting (408) the bodies that have been silent for ``stalled_body_s`` (5 s) or longer, the
         longest silent first, as far as needed: a full buffer goes to the uploads that are
         arriving, not to the ones that stall. -> whether they fit."""
         cap, until = self.limits.max_buffered_bytes, time.monotonic() + ROOM_WAIT_S
@@ -194,7 +194,9 @@ class _Body:
         try:
             msg = await self._next()
         except TimeoutError as exc:
-            self.refuse(RequestError(408, "request_timeout", str(exc)), discard_rest=False)
+            # a body cut for room may yet resume: what it sends is read and dropped (it holds no
+            # buffer then) so that the client reads the 408 instead of a reset connection
+            self.refuse(RequestError(408, "request_timeout", str(exc)), discard_rest=self.evicted)
         if msg["type"] != "http.request":
             self.done = True
             return msg

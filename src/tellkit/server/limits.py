@@ -52,7 +52,7 @@ class Limits:
     body_timeout_s: float = 120.0               # the whole body must arrive within this
     body_grace_s: float = 10.0                  # after this the body must keep up min_body_rate on average ...
     min_body_rate: int = 8 * 1024               # ... bytes a second (a slow upload is cut, not waited for)
-    stalled_body_s: float = 1.0                 # a body silent this long is cut (408) when the body buffer is full
+    stalled_body_s: float = 5.0                 # a body silent this long is cut (408) when the body buffer is full
     max_discard_bytes: int = 64 * 1024 * 1024   # rest of a refused body read and dropped so the client gets the answer
     max_beam_size: int = 16                     # a checkpoint's larger beam is served at this width
     max_gen_len: int = 256                      # a checkpoint's longer max_len is served at this length

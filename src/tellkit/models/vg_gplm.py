@@ -413,8 +413,8 @@ class VGGPLM(nn.Module, PretrainedMixin):
             early_stopping=beam_size > 1, num_return_sequences=1, output_scores=False, return_dict_in_generate=False,
         )
         if not self.is_t5 and getattr(gen_cfg, "forced_bos_token_id", None) is None:
-            # BART summarizers start with <s> (bart-base's forced_bos_token_id = 0; transformers 5
-            # no longer carries it in the model config); the training labels start with <s> too
+            # BART summarizers start with <s> (bart-base's forced_bos_token_id = 0, absent from the
+            # model config under transformers 5); the training labels start with <s> too
             gen_cfg.forced_bos_token_id = self.backbone.config.bos_token_id
         with self.video_context(batch):
             seqs = self.backbone.generate(

@@ -26,7 +26,7 @@ def test_quick_bench_runs_every_row_on_the_real_data(shared_data, monkeypatch):
     monkeypatch.setenv("TELLKIT_SHARED_DATA", str(shared_data))
     monkeypatch.setattr(runtimes, "QUICK", (2, 2))
     r = runtimes.run(quick=True)
-    rec, cap = r["recognition"], r["captioning"]
+    rec, cap = r["recognize"], r["captioning"]
     assert rec["expressions"] == 2 and cap["photos"] == 2
     assert list(rec["rows"]) == list(cap["rows"]) == list(runtimes.ROWS)
     for part, speed in ((rec, "images_per_s"), (cap, "photos_per_s")):

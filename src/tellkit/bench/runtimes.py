@@ -163,6 +163,6 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     load_before = _load()
     n_exprs, n_photos = QUICK if quick else FULL
     photos = flickr8k_test(shared_data())[:n_photos]
-    result = {"recognition": bench_recognition(n_exprs, threads), "captioning": bench_captioning(photos, threads)}
+    result = {"recognize": bench_recognition(n_exprs, threads), "captioning": bench_captioning(photos, threads)}
     result["load_average"] = {"before": load_before, "after": _load()}
     return result

@@ -1,4 +1,4 @@
-"""Bounded load test of ``tellkit serve`` over loopback: a fixed number of caption and math
+"""Bounded load test of ``tellkit serve`` over loopback: a fixed number of caption and recognize
 requests from several concurrent clients, one in eight of them a bad request that must get its
 4xx; throughput, latency percentiles (good requests), errors (must be zero) and the server's
 peak memory, with request batching on (``--max-batch 8``) and off (``--max-batch 1``); then the
@@ -201,7 +201,7 @@ def _normal_client(url: str, stop: threading.Event, photo: tuple, math: bytes, l
             name, data, article = photo
             status, _ = post(url + "/api/caption", fields={"article": article},
                              files={"image": (name, data, "image/jpeg")}, timeout=120)
-        log.append(("math" if i % 2 == 0 else "caption", status, time.perf_counter() - t0))
+        log.append(("recognize" if i % 2 == 0 else "caption", status, time.perf_counter() - t0))
         i += 1
         stop.wait(0.5)
 
@@ -268,7 +268,8 @@ def attack(url: str, pid: int, photo: tuple, math: bytes, n_noise: int = 16, n_s
         "normal_requests": {"sent": len(during), "statuses": {s: [x[1] for x in during].count(s)
                                                               for s in sorted({x[1] for x in during})},
                             "latency": _percentiles(lat),
-                            "math_latency": _percentiles([t for k, s, t in during if k == "math" and s == 200]),
+                            "recognize_latency": _percentiles([t for k, s, t in during
+                                                               if k == "recognize" and s == 200]),
                             "caption_latency": _percentiles([t for k, s, t in during if k == "caption" and s == 200])},
         "memory_mib": {"idle_rss": idle, "peak_rss": peak, "peak_over_idle": peak - idle,
                        "rss_after_attack": {k: v - idle for k, v in after.items()},
@@ -443,7 +444,7 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
         else:
             status, body = post(url + "/api/recognize", files={"image": ("expr.png", math, "image/png")},
                                 timeout=timeout)
-            kind = "math"
+            kind = "recognize"
         return kind, status, time.perf_counter() - t0, (None if status == 200 else body)
 
     t0 = time.perf_counter()
@@ -455,7 +456,7 @@ def load_once(url: str, n_requests: int, concurrency: int, photos, math: bytes, 
                            "throughput_rps": round(n_requests / wall, 2), "errors": len(errors),
                            "error_examples": errors[:3],
                            "latency": _percentiles([t for k, _, t, _ in rows if k != "bad"])}
-    for kind in ("caption", "math"):
+    for kind in ("caption", "recognize"):
         ts = [t for k, s, t, _ in rows if k == kind and s == 200]
         out[kind] = {"ok": len(ts), **_percentiles(ts)}
     bad = [(s, b) for k, s, _, b in rows if k == "bad"]
@@ -487,7 +488,8 @@ def run(quick: bool = False, device: str = "cpu", requests: int | None = None, c
     if device != "cpu":
         model_args += ["--device", device]
     result: dict[str, Any] = {"server_args": model_args, "requests_per_run": n, "concurrency": concurrency,
-                              "inputs": {"photos": [p[0] for p in photos], "math": "bttr_x2_plus_1.png"}, "runs": {}}
+                              "inputs": {"photos": [p[0] for p in photos], "recognize": "bttr_x2_plus_1.png"},
+                              "runs": {}}
     for label, max_batch in (("batched", 8), ("unbatched", 1)):
         proc, url = _start_server(model_args, max_batch, threads)
         try:

@@ -425,7 +425,7 @@ def test_load_benchmark_counts_requests_errors_and_percentiles():
     app = create_app({"recognize": SlowEcho(delay=0.01)}, serve_page=False)  # no captioner: caption requests fail (503)
     with ServerThread(app) as srv:
         res = load_once(srv.url, 6, 3, photos, math)
-        assert res["requests"] == 6 and res["math"]["ok"] == 3 and res["caption"]["ok"] == 0
+        assert res["requests"] == 6 and res["recognize"]["ok"] == 3 and res["caption"]["ok"] == 0
         assert res["errors"] == 3 and res["error_examples"][0]["status"] == 503
         res = load_once(srv.url, 16, 4, photos, math, bad_every=4)  # 4 bad requests, each of BAD_REQUESTS once
     # limits and validation answer before the (missing) captioner is needed

@@ -137,6 +137,15 @@ def test_cli_refuses_the_scan_bomb_in_one_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "more than 256 scans" in err and str(path) in err, err
 
 
+class _StubRecognizer:
+    """A recognizer that answers "x" to every image (the server's limits are under test)."""
+    info = {"name": "stub-math", "trained": False, "checkpoint": None}
+    task, api_text = "recognize", "latex"
+
+    def __call__(self, images):
+        return [{"text": "x", "tokens": ["x"], "score": 0.0} for _ in images]
+
+
 def test_server_answers_422_image_too_complex():
     pytest.importorskip("fastapi")
     pytest.importorskip("python_multipart")
@@ -144,14 +153,7 @@ def test_server_answers_422_image_too_complex():
     from tellkit.server.limits import Limits
     from tellkit.server.runner import ServerThread, post
 
-    class Recognizer:
-        info = {"name": "stub-math", "trained": False, "checkpoint": None}
-        task, api_text = "recognize", "latex"
-
-        def __call__(self, images):
-            return [{"text": "x", "tokens": ["x"], "score": 0.0} for _ in images]
-
-    app = create_app({"recognize": Recognizer()}, Limits(), serve_page=False)
+    app = create_app({"recognize": _StubRecognizer()}, Limits(), serve_page=False)
     with ServerThread(app) as srv:
         t0 = time.monotonic()
         s, body = post(srv.url + "/api/recognize", files={"image": ("b.jpg", scan_bomb(), "image/jpeg")})
@@ -229,15 +231,8 @@ def test_server_decode_timeout_is_422_and_frees_the_decoder():
     from tellkit.server.limits import Limits
     from tellkit.server.runner import ServerThread, post
 
-    class Recognizer:
-        info = {"name": "stub-math", "trained": False, "checkpoint": None}
-        task, api_text = "recognize", "latex"
-
-        def __call__(self, images):
-            return [{"text": "x", "tokens": ["x"], "score": 0.0} for _ in images]
-
     slow = slow_allowed_jpeg()
-    app = create_app({"recognize": Recognizer()}, Limits(decode_timeout_s=0.05), serve_page=False)
+    app = create_app({"recognize": _StubRecognizer()}, Limits(decode_timeout_s=0.05), serve_page=False)
     with ServerThread(app) as srv:
         answers = []
         slows = [threading.Thread(target=lambda: answers.append(post(srv.url + "/api/recognize", files={

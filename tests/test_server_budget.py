@@ -440,3 +440,60 @@ def test_decoded_inputs_count_against_the_input_budget():
         assert s == 422 and app.state.inputs.used == 0
         health = json.loads(urllib.request.urlopen(srv.url + "/health", timeout=10).read())
         assert health["input_budget"]["total_mib"] == 8 and health["input_budget"]["used_mib"] == 0
+
+
+# --- memory given back after a burst ---------------------------------------------------------------
+class _Input:
+    """An input whose death a weak reference can see."""
+
+
+def test_idle_threads_keep_nothing_of_the_last_job_or_batch():
+    import gc
+    import weakref
+
+    from tellkit.server.batching import PriorityPool
+
+    pool = PriorityPool(1, "t")
+    w = BatchWorker("t", lambda items: [type(x).__name__ for x in items], max_batch=2, max_wait_s=0.01)
+    try:
+        a, b = _Input(), _Input()
+        ra, rb = weakref.ref(a), weakref.ref(b)
+        assert pool.submit(lambda x: x, a).result(5) is a  # the future's result is the input itself
+        assert w.submit(b).result(5) == "_Input"
+        del a, b
+        deadline = time.monotonic() + 5
+        while (ra() is not None or rb() is not None) and time.monotonic() < deadline:
+            gc.collect()
+            time.sleep(0.02)
+        assert ra() is None, "the pool's idle thread still holds the last job's argument or result"
+        assert rb() is None, "the batch worker's idle thread still holds the last batch"
+    finally:
+        pool.shutdown()
+        w.close()
+
+
+def test_memory_is_given_back_once_the_api_has_been_quiet(monkeypatch):
+    import asyncio
+
+    from tellkit.server import body_guard
+
+    calls = []
+    monkeypatch.setattr(body_guard, "release_memory", lambda: calls.append(time.monotonic()))
+    counters = {"inflight": 0, "receiving": 0, "buffered": 0}
+
+    async def scenario():
+        idle = body_guard.IdleRelease(counters, quiet_s=0.2)
+        counters["inflight"] = 1  # a request still running: no trim, however long
+        idle.poke()
+        await asyncio.sleep(0.5)
+        assert calls == []
+        counters["inflight"] = 0
+        t0 = time.monotonic()
+        idle.poke()
+        await asyncio.sleep(0.1)
+        idle.poke()  # another request ended: the quiet period starts again
+        await asyncio.sleep(0.5)
+        assert len(calls) == 1 and calls[0] - t0 >= 0.28
+        idle.close()
+
+    asyncio.run(scenario())

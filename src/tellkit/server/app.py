@@ -36,7 +36,7 @@ from tellkit.errors import TellkitError
 from tellkit.pipelines.recognition import Strokes
 from tellkit.server.backends import batch_function, bound_generation, public_info, served_models
 from tellkit.server.batching import BatchWorker, MemoryBudget, PriorityPool, QueueFull
-from tellkit.server.body_guard import RequestGuard
+from tellkit.server.body_guard import IdleRelease, RequestGuard
 from tellkit.server.budget import (
     FIXED_BYTES,
     Cost,
@@ -95,10 +95,13 @@ def create_app(models: Mapping[str, Any] | None = None, limits: Limits | None = 
             costs[name] = InputCost(backend)
     models = {name: public_info(backend) for name, backend in served.items()}
     reader = ImageReader(limits)
+    counters = {"inflight": 0, "receiving": 0, "buffered": 0}
+    idle = IdleRelease(counters)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         yield
+        idle.close()
         for w in workers.values():  # stop the model threads when the server stops
             w.close()
         reader.close()
@@ -114,10 +117,9 @@ def create_app(models: Mapping[str, Any] | None = None, limits: Limits | None = 
                           description="Transform and Tell captions and BTTR handwritten-math recognition.", **extra)
     app.state.workers, app.state.limits, app.state.models, app.state.budget = workers, limits, models, budget
     app.state.inputs = inputs
-    counters = {"inflight": 0, "receiving": 0, "buffered": 0}
     add_error_handlers(app, limits)
     add_routes(app, models, workers, counters, ModelRunner(workers, limits, costs), reader, serve_page)
-    app.add_middleware(RequestGuard, limits=limits, counters=counters)
+    app.add_middleware(RequestGuard, limits=limits, counters=counters, idle=idle)
     return app
 
 

@@ -267,6 +267,9 @@ class BatchWorker:
             group = self._collect(small)
             if group:
                 self._run(group, small)
+                # the finished batch (its inputs, futures and results) is not kept alive by this
+                # frame while the thread waits for the next one
+                del group
                 if self.trim and not self.queued():
                     release_memory()  # the burst is over: give the batch's memory back
         if small:
@@ -338,6 +341,9 @@ class PriorityPool:
                 with self._cond:
                     self._heavy -= heavy
                     self._cond.notify_all()
+            # while it waits for the next job, the thread keeps nothing of this one (its arguments
+            # may be a 5 MB upload, its future the parsed input or an exception with its frames)
+            del job, fn, args, fut
 
     def shutdown(self) -> None:
         with self._cond:

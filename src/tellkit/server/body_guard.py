@@ -6,8 +6,9 @@ idle and total body timeouts and the minimum rate (408), the byte limit (413), t
 UTF-8 and character limits (:class:`_FormScanner`: 400 / 413) and the cap on bytes buffered by
 all connections together (503 with Retry-After). An API request is admitted to the models only
 once its whole body is in (:class:`_Slot`: at most ``max_inflight``, 503 beyond). After the last
-large body of a burst has gone, freed memory is returned to the system. At shutdown a request
-not yet answered gets a JSON 503. Every refusal is ``{"error": code, "detail": message}``.
+large body of a burst has gone, and once the API has been quiet for a second after any request
+(:class:`IdleRelease`), freed memory is returned to the system. At shutdown a request not yet
+answered gets a JSON 503. Every refusal is ``{"error": code, "detail": message}``.
 """
 from __future__ import annotations
 
@@ -260,6 +261,46 @@ def _too_large(limits: Limits) -> RequestError:
     return RequestError(413, "request_too_large", f"request body over the limit of {limits.max_upload_bytes:,} bytes")
 
 
+def _collect_and_release() -> None:
+    gc.collect()  # refused requests' exceptions keep their frames (and inputs) in reference cycles
+    release_memory()
+
+
+class IdleRelease:
+    """Gives the allocator's free pages back to the system once no API request has been arriving
+    or running for ``quiet_s`` seconds. A request refused after decoding a large image, or one
+    answered without a model batch, leaves its freed pages in the allocator's heaps, and a refusal's
+    exception keeps its frames in a reference cycle; nothing else would return either after the
+    burst. The collection and the trim run on a thread, at most once per quiet period."""
+
+    def __init__(self, counters: dict, quiet_s: float = 1.0):
+        self.counters, self.quiet_s = counters, quiet_s
+        self._task: asyncio.Task | None = None
+        self._last = 0.0
+
+    def poke(self) -> None:
+        """An API request has ended: start (or extend) the wait for a quiet period."""
+        loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._wait())
+
+    def _quiet(self) -> bool:
+        return self.counters["inflight"] == 0 and self.counters["receiving"] == 0
+
+    async def _wait(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(max(0.05, self._last + self.quiet_s - loop.time()))
+            if self._quiet() and loop.time() - self._last >= self.quiet_s:
+                await asyncio.to_thread(_collect_and_release)
+                return
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 class _Slot:
     """One API request's places in the server: among the bodies still arriving (at most
     ``max_receiving``, counted from the headers), then, once the whole body is in, among the
@@ -297,8 +338,8 @@ class RequestGuard:
     most ``max_inflight`` at once (:class:`_Slot`; 503 with Retry-After beyond). The rest of a
     refused body is read and dropped (bounded) before the JSON answer, so every client can read it."""
 
-    def __init__(self, app, limits: Limits, counters: dict):
-        self.app, self.limits, self.counters = app, limits, counters
+    def __init__(self, app, limits: Limits, counters: dict, idle: IdleRelease | None = None):
+        self.app, self.limits, self.counters, self.idle = app, limits, counters, idle
         counters.setdefault("receiving", 0)
         counters.setdefault("buffered", 0)
 
@@ -362,6 +403,8 @@ class RequestGuard:
                 release_memory()
             if slot is not None:
                 slot.leave()
+                if self.idle is not None:
+                    self.idle.poke()
         if body.refusal is not None and not started:
             if body.discard_rest:
                 await body.discard()

@@ -26,3 +26,4 @@ def test_held_uploads_and_a_heavy_mix_stay_within_the_memory_promise():
     assert set(held) <= {"408", "503"} and sum(held.values()) == 64, held  # every held body cut with an answer
     statuses = res["mixed"]["statuses"]
     assert sum(statuses.values()) == 16 and not any(s >= 500 and s != 503 for s in statuses), statuses
+    assert 0 not in statuses, res["mixed"]  # a connection reset or closed without an answer

@@ -160,3 +160,29 @@ def _status_mib(pid: int) -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 out[key] = int(rest.split()[0]) // 1024
     return out
+
+
+def test_the_load_benchmark_counts_a_reset_connection_instead_of_crashing():
+    import socket
+    import threading
+
+    from tellkit.bench.serve_load import post
+
+    srv = socket.create_server(("127.0.0.1", 0))
+    port = srv.getsockname()[1]
+
+    def reset_each():
+        for _ in range(2):
+            conn, _ = srv.accept()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.close()  # linger 0: the client sees a reset, not a reply
+
+    t = threading.Thread(target=reset_each, daemon=True)
+    t.start()
+    try:
+        for _ in range(2):
+            status, body = post(f"http://127.0.0.1:{port}/api/recognize", fields={"strokes": "[]" * 100_000}, timeout=5)
+            assert status == 0 and body["error"] in ("ConnectionResetError", "RemoteDisconnected", "BrokenPipeError")
+    finally:
+        t.join(5)
+        srv.close()

@@ -24,6 +24,7 @@ installed, tiny untrained ones (``--untrained``) otherwise; the JSON says which.
 from __future__ import annotations
 
 import argparse
+import http.client
 import io
 import json
 import os
@@ -39,10 +40,23 @@ from typing import Any
 
 from tellkit.bench import machine
 from tellkit.recipes import packaged_default
-from tellkit.server.runner import encode_multipart, free_port, post
+from tellkit.server.runner import encode_multipart, free_port
+from tellkit.server.runner import post as _strict_post
 from tellkit.utils.files import atomic_write_json
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def post(url: str, fields=None, files=None, timeout: float = 60.0) -> tuple[int, dict]:
+    """:func:`tellkit.server.runner.post`, but a connection the server reset or closed (it may
+    refuse a body before reading all of it) or a client timeout is counted, not raised: status 0
+    and ``{"error": the exception's name}``."""
+    try:
+        return _strict_post(url, fields=fields, files=files, timeout=timeout)
+    except (OSError, http.client.HTTPException) as exc:
+        reason = getattr(exc, "reason", exc)
+        name = type(reason if isinstance(reason, BaseException) else exc).__name__
+        return 0, {"error": name, "detail": str(exc)[:200]}
 
 
 def _inputs() -> tuple[list[tuple[str, bytes, str]], bytes]:

@@ -492,8 +492,12 @@ def test_memory_is_given_back_once_the_api_has_been_quiet(monkeypatch):
         idle.poke()
         await asyncio.sleep(0.1)
         idle.poke()  # another request ended: the quiet period starts again
-        await asyncio.sleep(0.5)
-        assert len(calls) == 1 and calls[0] - t0 >= 0.28
+        for _ in range(100):  # the collection before the trim may take a while on a loaded machine
+            if calls:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert len(calls) == 1 and calls[0] - t0 >= 0.28  # once, a quiet period after the last poke
         idle.close()
 
     asyncio.run(scenario())

@@ -186,3 +186,43 @@ def test_the_load_benchmark_counts_a_reset_connection_instead_of_crashing():
     finally:
         t.join(5)
         srv.close()
+
+
+def test_an_answered_exception_lets_go_of_what_its_frames_held():
+    """A form parser refused midway keeps its buffer in a frame of the exception's traceback, in a
+    reference cycle (the raising frame's local names the exception): cleared, the buffer is freed
+    at once, with no garbage collection."""
+    import gc
+    import weakref
+
+    from tellkit.server.app import drop_frames
+
+    class Buffer:
+        pass
+
+    def parse(buf):
+        raise ValueError("the body was cut")
+
+    def handle():
+        buf = Buffer()
+        try:
+            parse(buf)
+        except ValueError as e:
+            err = RuntimeError("there was an error parsing the body")
+            try:
+                raise err from e
+            except RuntimeError as caught:
+                return caught, weakref.ref(buf)
+
+    gc.disable()
+    try:
+        kept, kept_ref = handle()
+        del kept
+        assert kept_ref() is not None  # the cycle keeps it (this test's premise)
+        exc, ref = handle()
+        drop_frames(exc)
+        del exc
+        assert ref() is None
+    finally:
+        gc.enable()
+        gc.collect()

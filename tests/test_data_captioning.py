@@ -408,3 +408,35 @@ def test_the_real_goodnews_sample_reads_and_becomes_a_batch(shared_data, tmp_pat
     model = create_model("tat/tiny", image_dim=1280, article_dim=384, article_layers=7, contexts=list(contexts))
     out = proc.generate(model.eval(), batch, CaptionGeneration(max_len=5))
     assert len(proc.decode(out, batch, details=False)) == 4
+
+
+@pytest.mark.parametrize("split", ["train", "val", "test"])
+def test_article_texts_stream_what_the_loaders_read(split):
+    """The streamed texts of a split (rare-name counting) are the loaders' captions and articles
+    (headline and paragraphs; NYTimes800k's empty slots for other captions left out)."""
+    from tellkit.data import iter_article_texts
+
+    for fmt, root in (("goodnews", FIX / "goodnews"), ("nytimes800k", ARCHIVE)):
+        streamed = list(iter_article_texts(fmt, root, split, progress=False))
+        if fmt == "nytimes800k" and split == "test":  # the archive has no test article
+            assert streamed == []
+            continue
+        samples = load_captions(fmt, root, split, progress=False)
+        assert Counter(c for _, caps in streamed for c in caps) == Counter(s.caption for s in samples)
+        articles = {"\n\n".join(p for p in [s.title, *s.paragraphs] if p) for s in samples}
+        assert {a for a, _ in streamed} == articles and len(streamed) == len(articles), fmt
+
+
+def test_the_real_goodnews_sample_streams_its_training_split(shared_data):
+    """GoodNews's release without img_splits.json: the streamed training split is the one the loader
+    draws (the same captions, each article once), and a test caption of a training article is not
+    among the training captions."""
+    from tellkit.data import iter_article_texts
+
+    root = shared_data / "goodnews_sample"
+    train = list(iter_article_texts("goodnews", root, "train", progress=False))
+    samples = load_goodnews(root, "train", progress=False)
+    assert Counter(c for _, caps in train for c in caps) == Counter(s.caption for s in samples)
+    assert len(train) == len({s.article_id for s in samples}) and all(a for a, _ in train)
+    test = [c for _, caps in iter_article_texts("goodnews", root, "test", progress=False) for c in caps]
+    assert test and not set(test) & {c for _, caps in train for c in caps}

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,42 @@ def goodnews_splits(articles: dict[str, Any], seed: int = SPLIT_SEED) -> dict[st
     out: dict[str, str] = {}
     for aid, art in articles.items():
         for idx in (art.get("images") or {}) if isinstance(art, dict) else ():
-            u = rng.uniform()
-            out[f"{aid}_{idx}.jpg"] = "test" if u > 0.95 else "val" if 0.91 < u < 0.95 else "train"
+            out[f"{aid}_{idx}.jpg"] = _drawn_split(rng)
     return out
+
+
+def _drawn_split(rng: np.random.RandomState) -> str:
+    u = rng.uniform()
+    return "test" if u > 0.95 else "val" if 0.91 < u < 0.95 else "train"
+
+
+def iter_goodnews_texts(root: str | os.PathLike, split: str, *, clean_captions: bool = True,
+                        progress: bool = True, **_options: Any) -> Iterator[tuple[str, list[str]]]:
+    """One article at a time, without loading the set: (headline + article text, the article's
+    non-empty captions in ``split``), for each article with at least one. Splits as
+    :func:`load_goodnews` reads them (``img_splits.json``, else GoodNews's rule drawn again in the
+    same order). Other loader options (``images_dir``, ``objects`` ...) do not change the text."""
+    root = Path(root)
+    if not (root / "captioning_dataset.json").is_file():
+        raise TellkitError(f"GoodNews: {root / 'captioning_dataset.json'} not found")
+    store = NewsStore.for_source(root, "goodnews", progress=progress)
+    splits = _read_json(root / "img_splits.json") if (root / "img_splits.json").is_file() else None
+    if not isinstance(splits, (dict, type(None))):
+        raise TellkitError(f"{root}: GoodNews files must hold JSON objects")
+    split_of = {k[:-4] if k.endswith(".jpg") else k: v for k, v in (splits or {}).items()}
+    rng = np.random.RandomState(SPLIT_SEED) if splits is None else None
+    for art in store.articles():
+        aid = art.get("_id")
+        captions = []
+        for idx, caption in (art.get("images") or {}).items():
+            s = _drawn_split(rng) if rng is not None else split_of.get(f"{aid}_{idx}")
+            caption = clean_caption(caption or "") if clean_captions else (caption or "").strip()
+            if s == split and caption:
+                captions.append(caption)
+        if captions:
+            headline = art.get("headline") or {}
+            title = (headline.get("main", "") if isinstance(headline, dict) else str(headline)) or ""
+            yield "\n\n".join(t for t in (title.strip(), (art.get("article") or "").strip()) if t), captions
 
 
 def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_dir: str | None = None,

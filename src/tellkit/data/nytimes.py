@@ -148,6 +148,41 @@ def load_nytimes_archive(
     return samples
 
 
+def article_texts(article: dict[str, Any]) -> tuple[str, list[str]]:
+    """(headline + paragraphs, the captions of the article's images) of one NYTimes800k article:
+    the text the rare-name counts are tagged in (captions as :func:`samples_from_article` keeps them)."""
+    sections = article.get("parsed_section") or []
+    headline = article.get("headline") or {}
+    title = (headline.get("main") if isinstance(headline, dict) else str(headline)) or ""
+    paragraphs = [str(s.get("text") or "").strip() for s in sections if isinstance(s, dict)
+                  and s.get("type") == "paragraph"]
+    captions = []
+    for pos in article.get("image_positions") or []:
+        sec = sections[pos] if isinstance(pos, int) and 0 <= pos < len(sections) else {}
+        text = str(sec.get("text") or "").strip()
+        if sec.get("type") == "caption" and text and sec.get("hash"):
+            captions.append(text)
+    return "\n\n".join(t for t in [title.strip(), *paragraphs] if t), captions
+
+
+def iter_nytimes_texts(path: str | os.PathLike, split: str, *, db: str = "nytimes", index: bool = True,
+                       progress: bool = True, **_options: Any) -> Iterator[tuple[str, list[str]]]:
+    """One article of ``split`` at a time from a mongodump archive, without loading the split:
+    :func:`article_texts` of each article that has a caption. Through the embedded index as
+    :func:`load_nytimes_archive` reads it (``index=False``: one scan of the archive)."""
+    if index:
+        docs: Iterable[dict[str, Any]] = NewsStore.for_source(path, "nytimes800k", db=db, progress=progress).articles(
+            [k for k, v in SPLITS.items() if v == split])
+    else:
+        docs = (doc for _, doc in iter_documents(path, {f"{db}.articles"}, skip_fields=("parts_of_speech",)))
+    for art in docs:
+        if SPLITS.get(str(art.get("split", ""))) != split:
+            continue
+        article, captions = article_texts(art)
+        if captions:
+            yield article, captions
+
+
 class StoredVectors:
     """One image's object vectors, left in the index until used: ``np.asarray(v)`` (and
     ``shape``, ``dtype``, indexing) read them; nothing is kept in memory in between."""

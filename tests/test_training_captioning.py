@@ -182,6 +182,14 @@ def test_evaluation_names_the_spacy_pipeline_beside_the_metrics(tmp_path, fake_e
     summary = json.loads((tmp_path / "ev" / "metrics_test.json").read_text())
     assert summary["ner_model"] == resolve_model("auto")
     assert "entities_precision" in summary["metrics"] and "rare_proper_nouns_recall" in summary["metrics"]
+    # the reference's full figure set: both rare-name variants with counts, both sides' linguistic measures
+    figures = {f"{g}_{side}{part}" for g in ("rare_proper_nouns", "rare_proper_nouns_article")
+               for side in ("precision", "recall") for part in ("", "_count", "_total")}
+    figures |= {f"{p}{m}" for p in ("", "reference_") for m in ("length", "unique_words", "ttr", "flesch")}
+    assert figures <= set(summary["metrics"])
+    names = summary["rare_names"]  # where the counts came from
+    assert names["source"]["split"] == "train" and names["captions"] == 1 and names["articles"] == 1
+    assert Path(names["cache"]).parent == tmp_path / "feats"
     # the name is not a metric: every value is a number, or null where a figure is undefined (0/0)
     assert all(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
                for v in summary["metrics"].values())
@@ -206,21 +214,105 @@ def test_tat_recipes_are_valid(name):
         create_model(r)
 
 
-def test_train_proper_nouns_are_the_rare_noun_vocabulary_cached_beside_the_features(tmp_path):
-    """Rare proper nouns are judged against the PROPN tokens of the training captions (not every
-    word of them); the set is cached under a name that says which spaCy pipeline tagged it."""
-    pytest.importorskip("spacy")
-    from tellkit.metrics.ner import resolve_model, train_proper_nouns
+def _capitalised(text):
+    """A fake NER: no entities; every capitalised word of two letters or more is a proper noun."""
+    import re
 
-    task = CaptioningTask(recipe(tmp_path))
-    caption = "Mayor Jane Doe cuts the ribbon in Albany on Monday."  # the fixture's one training caption
-    assert task.train_words == train_proper_nouns([caption], model=task.ner_model)
-    assert {"Jane", "Doe", "Albany"} <= task.train_words and not {"cuts", "the", "ribbon", "in"} & task.train_words
-    cache = tmp_path / "feats" / f"train_caption_propn-{resolve_model('auto')}.txt"
-    assert cache.is_file() and not (tmp_path / "feats" / "train_caption_words.txt").exists()
-    r = recipe(tmp_path)
-    r["data"]["root"] = str(tmp_path / "gone")  # the data is not read again
-    assert CaptioningTask(r).train_words == task.train_words
+    return [], re.findall(r"\b[A-Z][a-z]+\b", text)
+
+
+@pytest.fixture
+def fake_ner(monkeypatch):
+    """``eval.ner_model: fake`` tags with :func:`_capitalised` (no spaCy)."""
+    import tellkit.metrics.ner as ner
+
+    monkeypatch.setattr(ner, "load_nlp", lambda model="auto": _capitalised)
+
+
+def ner_recipe(tmp_path, root=FIX / "goodnews"):
+    return deep_merge(recipe(tmp_path), {"data": {"root": str(root)},
+                                          "eval": {"ner": True, "ner_model": "fake", "metrics": ["bleu"]}})
+
+
+def test_training_name_counts_stream_the_training_split_only(tmp_path, fake_ner):
+    """The fixture's training split is one caption of article 5a1b2c; its counts are that caption's
+    and that article's (headline + text) proper nouns. Article 7d8e9f (val) and the test caption of
+    5a1b2c add nothing. Cached beside the features; read back without touching the data."""
+    import tellkit.tasks.captioning.names as names
+
+    task = CaptioningTask(ner_recipe(tmp_path))
+    counts = task.name_counts(articles=True)
+    assert counts.caption == {"Mayor": 1, "Jane": 1, "Doe": 1, "Albany": 1, "Monday": 1}
+    assert counts.context == {"New": 1, "Bridge": 1, "Albany": 1, "Mayor": 1, "Jane": 1, "Doe": 1, "Monday": 1,
+                              "The": 1, "It": 1, "Hudson": 1, "River": 1}
+    assert counts.info["captions"] == 1 and counts.info["articles"] == 1 and counts.info["source"]["split"] == "train"
+    cache = tmp_path / "feats" / "train_name_counts-fake.json"
+    assert counts.info["cache"] == str(cache) and cache.is_file() and not counts.info["cached"]
+    again = CaptioningTask(ner_recipe(tmp_path))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(names, "iter_article_texts", lambda *a, **k: pytest.fail("the training split was read again"))
+        cached = again.name_counts(articles=True)
+    assert cached.caption == counts.caption and cached.context == counts.context and cached.info["cached"]
+    # another data location is another source: counted again, not taken from the cache
+    other = tmp_path / "copy"
+    other.mkdir()
+    for name in ("captioning_dataset.json", "img_splits.json"):
+        (other / name).write_text((FIX / "goodnews" / name).read_text())
+    (other / "img_splits.json").write_text(json.dumps({"5a1b2c_0.jpg": "train", "5a1b2c_1.jpg": "test",
+                                                       "7d8e9f_0.jpg": "train"}))
+    moved = CaptioningTask(ner_recipe(tmp_path, other)).name_counts(articles=True)
+    assert moved.caption["Serena"] == 1 and moved.context["Williams"] == 2 and not moved.info["cached"]
+
+
+def test_rare_name_figures_by_hand_on_a_crafted_example(tmp_path, fake_ner):
+    """Generated 'Mayor Jane Doe meets Serena Zorg', reference 'Serena Zorg and Hudson Quux visit'.
+    Caption-rare (not among the training captions' Mayor Jane Doe Albany Monday): generated Serena
+    Zorg, reference Serena Zorg Hudson Quux -> precision 2/2, recall 2/4. Article-rare (nor among the
+    training article's names, Hudson among them): reference Serena Zorg Quux -> recall 2/3. Serena
+    is in the val article only, so she stays rare."""
+    task = CaptioningTask(ner_recipe(tmp_path))
+    task.evaluation_dir = tmp_path / "eval"  # a final evaluation: the article-rare figures too
+    preds = [{"id": "x", "prediction": "Mayor Jane Doe meets Serena Zorg",
+              "references": ["Serena Zorg and Hudson Quux visit"]}]
+    m = task.score(preds)
+    assert (m["proper_nouns_precision_count"], m["proper_nouns_precision_total"]) == (2, 5)
+    assert (m["rare_proper_nouns_precision_count"], m["rare_proper_nouns_precision_total"]) == (2, 2)
+    assert (m["rare_proper_nouns_recall_count"], m["rare_proper_nouns_recall_total"]) == (2, 4)
+    assert m["rare_proper_nouns_recall"] == pytest.approx(50.0)
+    assert (m["rare_proper_nouns_article_recall_count"], m["rare_proper_nouns_article_recall_total"]) == (2, 3)
+    assert m["rare_proper_nouns_article_recall"] == pytest.approx(200 / 3)
+    assert m["rare_proper_nouns_article_precision"] == pytest.approx(100.0)
+    # the human captions' measures beside the generations'
+    assert m["reference_length"] == 6 and m["length"] == 6 and m["reference_unique_words"] == 6
+    assert {"reference_ttr", "reference_flesch"} <= set(m)
+    assert task.eval_info["rare_names"]["source"]["format"] == "goodnews"
+    # a training run's validation (no evaluation folder) leaves the article pass to tellkit evaluate
+    val = CaptioningTask(ner_recipe(tmp_path)).score([dict(p) for p in preds])
+    assert "rare_proper_nouns_recall" in val and "rare_proper_nouns_article_recall" not in val
+
+
+def test_evaluate_without_a_training_split_says_so(tmp_path, fake_encoders, fake_ner, capsys):
+    """A data location with no training captions: no rare-name figure, a note in the JSON and one
+    warning line; every other figure is still there."""
+    from tellkit.cli import main
+
+    train(recipe(tmp_path, max_tokens=None, max_steps=1), tmp_path / "run", progress=False)
+    data = tmp_path / "no_train"
+    data.mkdir()
+    (data / "captioning_dataset.json").write_text((FIX / "goodnews" / "captioning_dataset.json").read_text())
+    (data / "img_splits.json").write_text(json.dumps({"5a1b2c_1.jpg": "test", "7d8e9f_0.jpg": "val"}))
+    (data / "images").symlink_to(FIX / "goodnews" / "images")
+    capsys.readouterr()
+    argv = ["evaluate", str(tmp_path / "run"), "--data", str(data), "--split", "test", "--no-progress",
+            "--out", str(tmp_path / "ev"), "eval.ner=true", "eval.ner_model=fake",
+            f"data.features={tmp_path / 'feats2'}"]
+    assert main(argv) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(err) == 1 and "training split could not be read" in err[0]
+    summary = json.loads((tmp_path / "ev" / "metrics_test.json").read_text())
+    assert "training split could not be read" in summary["rare_names"]["note"]
+    assert not any(k.startswith("rare_") for k in summary["metrics"])
+    assert {"proper_nouns_recall", "reference_length", "bleu4"} <= set(summary["metrics"])
 
 
 def test_training_captions_keep_up_to_max_caption_tokens(tmp_path):
@@ -289,3 +381,19 @@ def test_encoder_sizes_are_checked_before_any_feature_is_extracted(shared_data, 
     with pytest.raises(TellkitError, match="gives 1280-d features; the model expects image_dim=16"):
         CaptioningTask(recipe).build_dataset("train")
     assert not list(tmp_path.rglob("shard-*"))
+
+
+def test_rare_name_counts_of_the_real_goodnews_sample(shared_data, tmp_path):
+    """spaCy's PROPN counts of the real sample's training split: 'Manila' once (its test caption,
+    'The body of a man ... in Manila.', is not counted), 'Leroy' in two training captions,
+    'Facebook' in the articles far more often than in the captions."""
+    pytest.importorskip("spacy")
+    from tellkit.metrics.ner import resolve_model
+    from tellkit.tasks.captioning.names import training_name_counts
+
+    counts = training_name_counts("goodnews", str(shared_data / "goodnews_sample"), {}, resolve_model("auto"),
+                                  cache_dir=tmp_path)
+    assert counts.caption["Manila"] == 1 and counts.caption["Leroy"] == 2
+    assert counts.context["Facebook"] > counts.caption["Facebook"] >= 1
+    assert counts.info["captions"] == 9 and counts.info["articles"] == 4
+    assert json.loads(Path(counts.info["cache"]).read_text())["source"]["format"] == "goodnews"

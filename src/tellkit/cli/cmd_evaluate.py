@@ -57,6 +57,8 @@ def run(args) -> int:
             raise pruned_while_reading(ckpt, exc) or exc from None
     if result.info.get("dtype_note"):
         print(f"tellkit evaluate: note: {result.info['dtype_note']}", file=sys.stderr)
+    if (result.info.get("rare_names") or {}).get("note"):  # e.g. no training split: said, not hidden
+        print(f"tellkit evaluate: warning: {result.info['rare_names']['note']}", file=sys.stderr)
     if result.summary_file is not None:  # the main process of a torchrun group
         print(json.dumps(result.report(), indent=2))
     return 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -94,6 +95,26 @@ def train_proper_nouns(captions: Iterable[str], model: str = DEFAULT_MODEL, nlp=
     skip = [p for p in ("parser", "ner", "lemmatizer") if p in getattr(nlp, "pipe_names", ())]
     with nlp.select_pipes(disable=skip) if skip else contextlib.nullcontext():
         return {t.text for doc in nlp.pipe(captions) for t in doc if t.pos_ == "PROPN"}
+
+
+def name_counts(texts: Iterable[tuple[str, str]], model: str = DEFAULT_MODEL, nlp=None,
+                batch_size: int = 64) -> dict[str, Counter]:
+    """PROPN token counts of ``(kind, text)`` pairs, one Counter per kind (e.g. ``caption`` and
+    ``context``, as the reference's ``name_counters.pkl``). ``texts`` is consumed as a stream
+    (a training split read one article at a time); the tagger alone runs, as in
+    :func:`train_proper_nouns`."""
+    nlp = nlp or load_nlp(model)
+    counts: dict[str, Counter] = {}
+    if not hasattr(nlp, "pipe"):
+        for kind, text in texts:
+            counts.setdefault(kind, Counter()).update(nlp(text)[1])
+        return counts
+    skip = [p for p in ("parser", "ner", "lemmatizer") if p in getattr(nlp, "pipe_names", ())]
+    pairs = ((text, kind) for kind, text in texts)
+    with nlp.select_pipes(disable=skip) if skip else contextlib.nullcontext():
+        for doc, kind in nlp.pipe(pairs, as_tuples=True, batch_size=batch_size):
+            counts.setdefault(kind, Counter()).update(t.text for t in doc if t.pos_ == "PROPN")
+    return counts
 
 
 def ratio(count: int, total: int) -> float | None:

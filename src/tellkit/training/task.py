@@ -50,6 +50,10 @@ class Task:
     # whether the task encodes its inputs with frozen encoders into features a disk cache
     # (``data.features``) can hold, which the rows of one ``tellkit table`` run may share
     caches_features: bool = False
+    # where a final evaluation (``tellkit evaluate``, ``tellkit table``) writes its outputs, set by
+    # ``evaluate_checkpoint``; None during a training run's validation. A task may keep files
+    # derived from its data there and compute figures only a final evaluation reports
+    evaluation_dir: Path | None = None
 
     def __init__(self, recipe: Mapping[str, Any]):
         self.recipe = dict(recipe)  # the resolved recipe: task, model, data, train, eval sections

@@ -64,6 +64,7 @@ class EvalResult:
         """The JSON summary ``tellkit evaluate`` prints."""
         return {"split": self.split, "n": len(self.predictions), "metrics": self.metrics,
                 "dtype": self.info.get("dtype", "float32"), "runtime": self.info.get("runtime", "torch"),
+                **({"rare_names": self.info["rare_names"]} if "rare_names" in self.info else {}),
                 "summary": str(self.summary_file),
                 "predictions": str(self.predictions_file)}
 
@@ -132,6 +133,8 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
         model = load_model(ckpt, map_location=info.device).float()
         task.progress = progress
         task.precision = precisions.resolve_precision(info.device, dtype)
+        out_dir = Path(out) if out else default_eval_dir(ckpt)
+        task.evaluation_dir = out_dir
         dataset = task.build_dataset(split)
         if dataset is None or len(dataset) == 0:
             raise TellkitError(f"split '{split}' is empty")
@@ -150,7 +153,7 @@ def evaluate_checkpoint(checkpoint: str | os.PathLike, split: str = "test", *, d
                                   **getattr(task, "eval_info", {})})
         if info.is_main:
             result.summary_file, result.predictions_file = write_eval_outputs(
-                Path(out) if out else default_eval_dir(ckpt), split, metrics, preds, result.info)
+                out_dir, split, metrics, preds, result.info)
     finally:
         distributed.teardown(info)
     return result

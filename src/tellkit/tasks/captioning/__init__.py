@@ -16,7 +16,9 @@ Recipe sections read here, each a dataclass that refuses unknown keys (see ``con
 
 Entity metrics name the spaCy pipeline that ran in ``task.eval_info`` (``tellkit evaluate`` writes
 it into ``metrics_<split>.json`` beside the numbers); rare proper nouns are judged against the
-PROPN tokens of the training captions (:func:`tellkit.metrics.ner.train_proper_nouns`).
+PROPN tokens of the training split's captions and articles (``names``: counted once, streamed,
+cached; where they came from in ``task.eval_info["rare_names"]``). The human captions' length,
+distinct words, TTR and Flesch are reported beside the generations' (``reference_*``).
 
 The data location comes from the recipe (``data.root``) or ``--data``; there is no default.
 Encoders are frozen and every input goes through one :class:`~tellkit.encoders.bundle.EncoderBundle`.
@@ -33,9 +35,10 @@ captions per image and no context (COCO, Flickr8k), one caption is generated per
 against all its references; with ``context: other_captions`` each caption is generated from the
 other captions and scored against its own caption only (the others are its input).
 
-Modules: ``recipe`` (the sections above), ``inputs`` (samples and articles -> encoder inputs),
-``processor`` (:class:`CaptionProcessor`), ``features`` (the feature cache), ``dataset``
-(:class:`CaptionDataset`) and ``task`` (:class:`CaptioningTask`, self-critical training included).
+Modules: ``recipe`` (the sections above), ``names`` (the rare-name counts), ``inputs`` (samples
+and articles -> encoder inputs), ``processor`` (:class:`CaptionProcessor`), ``features`` (the
+feature cache), ``dataset`` (:class:`CaptionDataset`) and ``task`` (:class:`CaptioningTask`,
+self-critical training included).
 """
 from tellkit.tasks.captioning.dataset import CaptionDataset
 from tellkit.tasks.captioning.features import cached_features, feature_config

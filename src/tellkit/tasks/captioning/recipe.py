@@ -79,7 +79,8 @@ class CaptionEvalConfig(CaptionGeneration):
     metrics: list[str] | None = None  # None: every caption metric (bleu, meteor, rouge, cider)
     ner: bool = True  # named-entity precision / recall (spaCy)
     ner_model: str | None = None  # None: tellkit.metrics.ner.DEFAULT_MODEL
-    rare_proper_nouns: bool = True  # also score proper nouns unseen in training captions
+    # also score proper nouns unseen in the training captions (and, in tellkit evaluate, articles)
+    rare_proper_nouns: bool = True
     # compare lower-cased text (the Flickr8k / COCO papers' convention); False: case kept, as the
     # Transform and Tell reference scored news captions, where case marks names
     lowercase: bool = False

@@ -3,7 +3,6 @@ and scoring, for the generic trainer and ``tellkit evaluate``."""
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from tellkit.encoders.weights import load_strict, read_weights_file
 from tellkit.errors import TellkitError
 from tellkit.metrics.caption import METRICS, score_captions_detailed
 from tellkit.metrics.linguistic import linguistic_scores
-from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores, resolve_model, train_proper_nouns
+from tellkit.metrics.ner import DEFAULT_MODEL, entity_scores, resolve_model
 from tellkit.recipes import (
     SelfCriticalConfig,
     section,
@@ -30,13 +29,13 @@ from tellkit.recipes import (
 from tellkit.tasks import register_task
 from tellkit.tasks.captioning.dataset import CaptionDataset
 from tellkit.tasks.captioning.inputs import sample_input
+from tellkit.tasks.captioning.names import NEWS_FORMATS, NameCounts, training_name_counts
 from tellkit.tasks.captioning.processor import CaptionProcessor
 from tellkit.tasks.captioning.recipe import METRIC_NAMES, CaptionDataConfig, CaptionEvalConfig, model_contexts
 from tellkit.tasks.processor import finite_or_none
 from tellkit.training.evaluation import to_device
 from tellkit.training.self_critical import SelfCritical
 from tellkit.training.task import Task
-from tellkit.utils.files import atomic_write_bytes
 
 
 @register_task("caption")
@@ -74,6 +73,7 @@ class CaptioningTask(Task):
         self._processor: CaptionProcessor | None = None
         # what the scores were computed with, beside the numbers (``metrics_<split>.json``)
         self.eval_info: dict[str, Any] = {}
+        self._name_counts: dict[bool, NameCounts] = {}
 
     def check_training(self) -> None:
         # a monitor among the caption metrics must be one that validation computes: refused before
@@ -240,22 +240,51 @@ class CaptioningTask(Task):
         """The spaCy pipeline the entity metrics use (``eval.ner_model``; ``auto``: the best installed)."""
         return resolve_model(self.eval.ner_model or DEFAULT_MODEL)
 
-    @functools.cached_property
-    def train_words(self) -> set[str]:
-        """The proper nouns (spaCy PROPN tokens, :func:`tellkit.metrics.ner.train_proper_nouns`)
-        of the training captions: a proper noun outside them is rare. Kept beside the feature
-        cache, if any, one file per spaCy pipeline, so evaluation does not re-read and re-tag
-        the training data."""
-        name = self.ner_model
-        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
-        cache = Path(self.data.features) / f"train_caption_propn-{safe}.txt" if self.data.features else None
-        if cache is not None and cache.is_file():
-            return set(cache.read_text(encoding="utf-8").split("\n")) - {""}
-        words = train_proper_nouns((s.caption for s in self.load_samples("train")), model=name)
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(cache, "\n".join(sorted(words)).encode("utf-8"))
-        return words
+    def _training_text(self) -> tuple[str, dict[str, Any]]:
+        """The training split's location and the loader options that change its text."""
+        d = self.data
+        if d.format is None:
+            raise TellkitError("the recipe's data section has no 'format'")
+        root = d.files.get("train") if d.format == "coco" and d.files else d.root
+        if not root:
+            raise TellkitError("the recipe names no training data (data.root, or data.files.train for COCO)")
+        options = {k: v for k, v in d.options.items() if k not in ("objects", "limit")}
+        if d.format in ("coco", "flickr8k"):
+            options.setdefault("context", d.context if d.context in ("none", "other_captions") else "none")
+        return str(root), options
+
+    def name_counts(self, articles: bool) -> NameCounts:
+        """The PROPN counts of the training split's captions (and, with ``articles``, of its
+        articles): :func:`tellkit.tasks.captioning.names.training_name_counts`, cached in the
+        feature cache (``data.features``), else in the evaluation's output folder."""
+        key = bool(articles)
+        if key not in self._name_counts:
+            root, options = self._training_text()
+            cache = self.data.features or self.evaluation_dir
+            self._name_counts[key] = training_name_counts(self.data.format, root, options, self.ner_model,
+                                                          articles=articles, cache_dir=cache)
+        return self._name_counts[key]
+
+    def rare_vocabularies(self) -> tuple[set[str] | None, set[str] | None]:
+        """(training caption names, training article names) for the rare-name figures, and where
+        they came from in ``eval_info["rare_names"]``. The article names (a pass over every
+        training article) are counted for a final evaluation only (``evaluation_dir`` set), not
+        for the validation of a training run. A training split that cannot be read gives
+        (None, None) and a note saying why, never a made-up figure."""
+        articles = self.evaluation_dir is not None and self.data.format in NEWS_FORMATS
+        try:
+            counts = self.name_counts(articles)
+        except TellkitError as exc:
+            self.eval_info["rare_names"] = {"note": f"no rare-name figures: the training split could not be read "
+                                                    f"({exc})"}
+            return None, None
+        info = dict(counts.info)
+        if counts.context is None:
+            info["article_note"] = ("no article rare-name figures: " + (
+                f"{self.data.format} has no articles" if self.data.format not in NEWS_FORMATS
+                else "counted by tellkit evaluate only"))
+        self.eval_info["rare_names"] = info
+        return set(counts.caption), (set(counts.context) if counts.context is not None else None)
 
     def score(self, predictions):
         preds = {p["id"]: p["prediction"] for p in predictions}
@@ -264,9 +293,11 @@ class CaptioningTask(Task):
         for p in predictions:  # per-example scores go into predictions_<split>.jsonl
             p["scores"] = per[p["id"]]
         metrics.update(linguistic_scores(preds.values()))
+        # the same measures of the human captions, as the reference reports them beside the generations'
+        metrics.update(linguistic_scores((r for k in preds for r in refs[k]), prefix="reference_"))
         if self.eval.ner:
-            words = self.train_words if self.eval.rare_proper_nouns else None
+            words, article_words = self.rare_vocabularies() if self.eval.rare_proper_nouns else (None, None)
             metrics.update(entity_scores(preds, {k: v[0] for k, v in refs.items()}, train_words=words,
-                                         model=self.ner_model))
+                                         article_words=article_words, model=self.ner_model))
             self.eval_info["ner_model"] = self.ner_model
         return metrics

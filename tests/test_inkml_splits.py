@@ -97,6 +97,16 @@ def test_inkml_split_errors(crohme_root, refusing_normalize):
     assert str(err.value) == f"{crohme_root / 'none'}: no usable InkML files"
 
 
+def test_skip_counts_of_several_loads_into_one_dict_add_up(crohme_root, c19_root, refusing_normalize):
+    """A task counts the skipped files of its split and of data.extra_train in one dict."""
+    skipped: dict[str, int] = {}
+    crohme.load_split(crohme_root, "train", "inkml", skipped)
+    crohme.load_split(crohme_root, "train", "inkml", skipped)
+    crohme2019.load_split(c19_root, "Test2019", skipped)
+    assert skipped == {"empty file": 2, "malformed XML": 3, "no traces": 2, "no truth": 2, "unparsable truth": 3,
+                       "no label graph": 2, "unusable label graph": 1}
+
+
 # --- data.layout: crohme2019 (truth in label graphs) ------------------------------------------------
 LG_X2 = "O, x_1, x, 1.0, 0\nO, 2_1, 2, 1.0, 1\nR, x_1, 2_1, Sup, 1.0\n"
 LG_Y = "O, y_1, y, 1.0, 0, 1\n"

@@ -111,34 +111,70 @@ def _find_image(d: Path, key: str) -> Path:
     raise TellkitError(f"{d}: no image for '{key}' (looked for {key}.png/.bmp/.jpg here and in img/)")
 
 
+class SkipFile(Exception):
+    """Raised by the truth reader given to :func:`load_inkml_folders`: the file is left out and
+    counted under ``reason``."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def inkml_split_folder(root: Path, split: str, what: str) -> Path:
+    """``root/<split>``, else ``root/test/<split>`` (a test year); ``what`` names the data in the error."""
+    folder = next((c for c in (root / split, root / "test" / split) if c.is_dir()), None)
+    if folder is None:
+        raise TellkitError(f"{root}: no {what} split '{split}' (looked for {root / split} and {root / 'test' / split})")
+    return folder
+
+
+def load_inkml_folders(folders: Sequence[Path], truth_of: Callable[[InkExpression], str], *, require_truth: bool,
+                       unparsable: str, nothing: str, skipped: dict[str, int] | None = None) -> list[Expression]:
+    """An expression for every usable InkML file under ``folders`` (the folders in the order given,
+    the files of each sorted by path). ``truth_of`` gives a file's raw LaTeX, or raises
+    :class:`SkipFile`; the LaTeX is normalised (a refusal is counted as ``unparsable``) and kept as
+    the file's ``truth``. ``require_truth``: a file without a truth annotation is skipped while
+    reading. Skipped files are added to ``skipped`` (reason -> count); when none is usable the
+    error says ``nothing`` and the counts."""
+    counts: Counter = Counter()
+    exprs = []
+    for folder in folders:
+        res = scan_folder(folder, require_truth=require_truth)
+        counts.update(res.skipped)
+        for e in res.expressions:
+            try:
+                truth = truth_of(e)
+            except SkipFile as skip:
+                counts[skip.reason] += 1
+                continue
+            try:
+                toks = normalize(truth)
+            except TellkitError:
+                counts[unparsable] += 1
+                continue
+            e.truth = truth
+            exprs.append(Expression(e.id, e.path, toks, truth, e))
+    if skipped is not None:
+        for k, v in counts.items():
+            skipped[k] = skipped.get(k, 0) + v
+    if not exprs:
+        raise TellkitError(nothing + (f" (skipped: {dict(counts)})" if counts else ""))
+    return exprs
+
+
 def load_inkml_split(root: str | os.PathLike, split: str, skipped: dict[str, int] | None = None) -> list[Expression]:
     """``train`` (every ``train/**.inkml``), a year under ``test/`` (``2014``), or any folder
     under ``root`` holding InkML files. Unusable files are skipped; ``skipped`` (if given)
     receives reason -> count."""
-    r = Path(root)
-    folder = next((c for c in (r / split, r / "test" / split) if c.is_dir()), None)
-    if folder is None:
-        raise TellkitError(f"{r}: no InkML split '{split}' (looked for {r / split} and {r / 'test' / split})")
-    res = scan_folder(folder, require_truth=True)
-    counts = dict(res.skipped)
-    exprs = []
-    for e in res.expressions:
-        try:
-            toks = normalize(e.truth or "")
-        except TellkitError:
-            counts["unparsable truth"] = counts.get("unparsable truth", 0) + 1
-            continue
-        exprs.append(Expression(e.id, e.path, toks, e.truth or "", e))
+    folder = inkml_split_folder(Path(root), split, "InkML")
+    exprs = load_inkml_folders([folder], lambda e: e.truth or "", require_truth=True, unparsable="unparsable truth",
+                               nothing=f"{folder}: no usable InkML files", skipped=skipped)
     # one id per expression: files of one name in two sub-folders (two test years) are told apart
     # by their path under the split's folder
     seen = Counter(x.id for x in exprs)
     for x in exprs:
         if seen[x.id] > 1:
             x.id = Path(x.image).relative_to(folder).with_suffix("").as_posix()
-    if skipped is not None:
-        skipped.update(counts)
-    if not exprs:
-        raise TellkitError(f"{folder}: no usable InkML files" + (f" (skipped: {counts})" if counts else ""))
     return exprs
 
 

@@ -27,9 +27,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tellkit.data.crohme import Expression
-from tellkit.data.inkml import scan_folder
-from tellkit.data.latex import normalize
+from tellkit.data.crohme import Expression, SkipFile, inkml_split_folder, load_inkml_folders
+from tellkit.data.inkml import InkExpression
 from tellkit.errors import TellkitError
 
 ROLES = {"train": "train", "val": "2019", "test": "2019"}
@@ -107,33 +106,18 @@ def load_split(root: str | os.PathLike, split: str, skipped: dict[str, int] | No
     annotation and has no label graph keeps that truth. Files with neither are skipped and
     counted in ``skipped``."""
     r = Path(root)
-    folder = next((c for c in (r / split, r / "test" / split) if c.is_dir()), None)
-    if folder is None:
-        raise TellkitError(f"{r}: no CROHME 2019 split '{split}' (looked for {r / split} and {r / 'test' / split})")
+    folder = inkml_split_folder(r, split, "CROHME 2019")
     graphs = {p.stem: p for p in sorted(r.rglob("*.lg"), reverse=True)}
-    res = scan_folder(folder, require_truth=False)
-    counts: dict[str, int] = dict(res.skipped)
-    exprs = []
-    for e in res.expressions:
+
+    def truth_of(e: InkExpression) -> str:
         g = graphs.get(e.id)
         try:
             truth = lg_to_latex(g.read_text(encoding="utf-8", errors="replace"), str(g)) if g else e.truth
         except TellkitError:
-            counts["unusable label graph"] = counts.get("unusable label graph", 0) + 1
-            continue
+            raise SkipFile("unusable label graph") from None
         if not truth:
-            counts["no label graph"] = counts.get("no label graph", 0) + 1
-            continue
-        try:
-            toks = normalize(truth)
-        except TellkitError:
-            counts["unparsable truth"] = counts.get("unparsable truth", 0) + 1
-            continue
-        e.truth = truth
-        exprs.append(Expression(e.id, e.path, toks, truth, e))
-    if skipped is not None:
-        for k, v in counts.items():
-            skipped[k] = skipped.get(k, 0) + v
-    if not exprs:
-        raise TellkitError(f"{folder}: no usable CROHME 2019 expressions" + (f" (skipped: {counts})" if counts else ""))
-    return exprs
+            raise SkipFile("no label graph")
+        return truth
+
+    return load_inkml_folders([folder], truth_of, require_truth=False, unparsable="unparsable truth",
+                              nothing=f"{folder}: no usable CROHME 2019 expressions", skipped=skipped)

@@ -19,9 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tellkit.data.crohme import Expression
-from tellkit.data.inkml import scan_folder
-from tellkit.data.latex import normalize
+from tellkit.data.crohme import Expression, SkipFile, load_inkml_folders
+from tellkit.data.inkml import InkExpression
 from tellkit.errors import TellkitError
 
 FOLDERS = ("train", "valid", "test", "synthetic", "symbols")
@@ -44,30 +43,16 @@ def load_split(root: str | os.PathLike, split: str, skipped: dict[str, int] | No
     the release folder ``root``. Files without strokes, with broken XML or without a label are
     skipped and counted in ``skipped`` (reason -> count)."""
     r = Path(root)
-    exprs: list[Expression] = []
-    counts: dict[str, int] = dict(skipped or {})
-    for name in split.split("+"):
-        folder = r / name.strip()
+    folders = [r / name.strip() for name in split.split("+")]
+    for name, folder in zip(split.split("+"), folders):
         if not folder.is_dir():
             raise TellkitError(f"{r}: no MathWriting folder '{name}' (the release has {', '.join(FOLDERS)})")
-        res = scan_folder(folder, require_truth=False)
-        for reason, n in res.skipped.items():
-            counts[reason] = counts.get(reason, 0) + n
-        for e in res.expressions:
-            label = label_of(e.annotations)
-            if label is None:
-                counts["no label"] = counts.get("no label", 0) + 1
-                continue
-            try:
-                toks = normalize(label)
-            except TellkitError:
-                counts["unparsable label"] = counts.get("unparsable label", 0) + 1
-                continue
-            e.truth = label
-            exprs.append(Expression(e.id, e.path, toks, label, e))
-    if skipped is not None:
-        skipped.update(counts)
-    if not exprs:
-        raise TellkitError(f"{r}: no usable MathWriting files in '{split}'"
-                           + (f" (skipped: {counts})" if counts else ""))
-    return exprs
+
+    def truth_of(e: InkExpression) -> str:
+        label = label_of(e.annotations)
+        if label is None:
+            raise SkipFile("no label")
+        return label
+
+    return load_inkml_folders(folders, truth_of, require_truth=False, unparsable="unparsable label",
+                              nothing=f"{r}: no usable MathWriting files in '{split}'", skipped=skipped)

@@ -9,6 +9,7 @@ import math
 import subprocess
 import sys
 import types
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 
 from tellkit.cli import main
 from tellkit.models.bttr import BTTR, BTTRConfig, image_positions, word_positions
-from tellkit.registry import create_model
+from tellkit.registry import build_config, create_model
 
 
 def test_model_info_gives_the_reference_count():
@@ -26,12 +27,6 @@ def test_model_info_gives_the_reference_count():
     info = json.loads(out.stdout)
     assert info["trainable_params"] == 6_375_425
     assert info["breakdown"] == {"encoder": 3_156_624, "decoder": 3_218_801}
-
-
-def test_legacy_variant_keeps_the_old_size():
-    with torch.device("meta"):
-        m = create_model("bttr/crohme", variant="tellkit-0.1")
-    assert m.num_parameters(trainable_only=True) == 6_409_481
 
 
 def test_word_positions_are_interleaved_sin_cos():
@@ -214,7 +209,7 @@ def test_convert_reference_checkpoint_gives_the_same_logits(reference_ckpt, tmp_
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     m = BTTR.from_pretrained(out).eval()
-    assert m.config.variant == "reference" and m.config.growth_rate == 4 and m.config.block_depth == 2
+    assert type(m) is BTTR and m.config.growth_rate == 4 and m.config.block_depth == 2
     img = torch.rand(1, 1, 64, 96)
     tgt = torch.tensor([[1, 10, 20, 30, 40]])
     with torch.no_grad():
@@ -334,25 +329,25 @@ def test_export_reference_refuses_the_options_of_a_checkpoint_folder(tmp_path, c
 
 
 def _tellkit_0_1_checkpoint(d):
-    """A (tiny) BTTR checkpoint as tellkit 0.1 wrote it: the old layout, no 'variant' in its config."""
+    """A (tiny) BTTR checkpoint as tellkit 0.1 wrote it: the old layout, family 'bttr', no
+    'variant' in its config (format 1)."""
     torch.manual_seed(0)
-    m = create_model("bttr/tiny", variant="tellkit-0.1")
+    m = create_model({"name": "bttr_legacy", **asdict(build_config("bttr/tiny")[1])})
     m.save_pretrained(d)
     meta = json.loads((d / "config.json").read_text())
-    meta["config"].pop("variant", None)
-    meta["tellkit_version"] = "0.1.0"
+    meta.update(family="bttr", format_version=1, tellkit_version="0.1.0")
     (d / "config.json").write_text(json.dumps(meta))
     return d
 
 
 def test_checkpoints_from_tellkit_0_1_still_load(tmp_path):
-    """A BTTR config.json written by tellkit 0.1 has no 'variant': it loads as the old layout,
-    with its weights."""
+    """A BTTR config.json written by tellkit 0.1 has no 'variant': it loads as the old layout
+    (family bttr_legacy), with its weights (their outputs: tests/test_bttr_legacy.py)."""
     from tellkit.checkpoint import load_model
 
     d = _tellkit_0_1_checkpoint(tmp_path / "old")
     m = load_model(d)
-    assert m.config.variant == "tellkit-0.1"
+    assert m.family == "bttr_legacy"
     torch.manual_seed(0)
-    want = create_model("bttr/tiny", variant="tellkit-0.1").state_dict()
+    want = create_model({"name": "bttr_legacy", **asdict(build_config("bttr/tiny")[1])}).state_dict()
     assert all(torch.equal(m.state_dict()[k], v) for k, v in want.items())

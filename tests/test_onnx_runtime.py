@@ -262,9 +262,10 @@ def test_export_refuses_what_it_does_not_cover(tmp_path, capsys):
     from tellkit.cli import main
     from tellkit.registry import create_model
 
-    create_model("bttr/tiny", variant="tellkit-0.1").save_pretrained(tmp_path / "old", extra={"task": "recognize"})
+    create_model("configs/bttr/cpu.yaml", growth_rate=4, block_depth=2, stem_channels=8, d_model=32,
+                 dim_feedforward=64).save_pretrained(tmp_path / "old", extra={"task": "recognize"})
     assert main(["export", str(tmp_path / "old"), "--format", "onnx", "--out", str(tmp_path / "o")]) == 2
-    assert "reference variant" in capsys.readouterr().err
+    assert "tellkit 0.1's own (bttr_legacy)" in capsys.readouterr().err
     ck = tiny_bttr(tmp_path / "bttr")
     assert main(["export", str(ck), "--format", "onnx", "--int8", "--out", str(tmp_path / "o")]) == 2
     assert "--format safetensors" in capsys.readouterr().err

@@ -36,7 +36,13 @@ from tellkit.utils.precision import resolve_device
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-FORMAT_VERSION = 1
+# 2: a model's layout is named by its family alone. In format 1 a BTTR or CoMER config named it
+# with a ``variant`` (read by :func:`upgrade_checkpoint_meta`).
+FORMAT_VERSION = 2
+# format 1: {family: {variant: the family that holds that layout now}}; a BTTR config without a
+# variant was written by tellkit 0.1 (before variants) and holds that release's own layout
+FORMER_VARIANTS = {"bttr": {"reference": "bttr", "tellkit-0.1": "bttr_legacy"}, "comer": {"reference": "comer"}}
+VARIANT_BEFORE_VARIANTS = {"bttr": "tellkit-0.1"}
 
 MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few KB; 4 MiB leaves room for a large HF config
 MAX_JSON_DEPTH = 32
@@ -176,7 +182,24 @@ def read_checkpoint_config(directory: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(meta["config"], dict):
         raise TellkitError(f"{cfg_path}: 'config' must be a mapping, got a {type(meta['config']).__name__}")
     _resolve_encoder_files(meta, d)
-    return meta
+    return upgrade_checkpoint_meta(meta, str(cfg_path))
+
+
+def upgrade_checkpoint_meta(meta: dict[str, Any], where: str) -> dict[str, Any]:
+    """A checkpoint's config.json (``family`` and ``config`` checked) in the present format: a
+    format-1 BTTR or CoMER config's ``variant`` becomes the family that holds its layout (see
+    :data:`FORMER_VARIANTS`), and the variant leaves the config."""
+    variants = FORMER_VARIANTS.get(meta.get("family"))  # type: ignore[arg-type]
+    if variants is None or meta.get("format_version", 1) != 1 or not isinstance(meta.get("config"), dict):
+        return meta
+    config = dict(meta["config"])
+    variant = config.pop("variant", None)
+    if variant is None:
+        old = str(meta.get("tellkit_version", "")).startswith("0.1")
+        variant = VARIANT_BEFORE_VARIANTS.get(meta["family"], "reference") if old else "reference"
+    if not isinstance(variant, str) or variant not in variants:
+        raise TellkitError(f"{where}: unknown {meta['family']} variant {variant!r} (one of {', '.join(variants)})")
+    return {**meta, "format_version": FORMAT_VERSION, "family": variants[variant], "config": config}
 
 
 ENCODER_WEIGHT_KEYS = ("image_weights", "face_weights")  # encoders entries that may name a carried file
@@ -358,9 +381,6 @@ def load_model(directory: str | os.PathLike, map_location: str | torch.device = 
     if expect is not None and not issubclass(entry.model_cls, expect):
         raise TellkitError(f"{d}: holds a '{meta['family']}' model, not {expect.__name__}")
     check_config_values(meta["config"], where)
-    upgrade = getattr(entry.config_cls, "upgrade_checkpoint_config", None)
-    if upgrade is not None:  # a family's configs lacking fields it now has
-        meta["config"] = upgrade(dict(meta["config"]), meta)
     cfg = from_dict(entry.config_cls, meta["config"], where)
     try:
         size = estimate_model_bytes(entry, cfg)

@@ -35,6 +35,7 @@ _MODELS: dict[str, ModelEntry] = {}
 _MODEL_MODULES = (
     "tellkit.models.transform_and_tell",
     "tellkit.models.bttr",
+    "tellkit.models.bttr_legacy",
     "tellkit.models.comer",
     "tellkit.models.vg_gplm",
     "tellkit.models.baselines",

@@ -64,7 +64,7 @@ def _vocabulary(meta) -> dict | None:
     """A handwriting reader's vocabulary: the symbols it stores (``data.symbols``), or CROHME's."""
     from tellkit.data.latex import SYMBOLS, Vocab, check_symbols  # heavy
 
-    if meta.get("family") not in ("bttr", "comer"):
+    if meta.get("family") not in ("bttr", "comer", "bttr_legacy"):
         return None
     stored = (meta.get("data") or {}).get("symbols") if isinstance(meta.get("data"), dict) else None
     symbols = check_symbols(stored, "config.json: data.symbols") if stored is not None else list(SYMBOLS)

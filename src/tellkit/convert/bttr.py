@@ -165,7 +165,7 @@ def convert(state: dict[str, torch.Tensor], nhead: int = 8, dictionary: str | No
                   stem_channels=int(stem.shape[0]), compression=round(float(compression), 4),
                   encoder_dropout=float(encoder_dropout), d_model=int(d_model), nhead=int(nhead),
                   num_decoder_layers=int(layers), dim_feedforward=int(ffn), dropout=float(dropout),
-                  beam_size=int(beam_size), max_len=int(max_len), alpha=float(alpha), variant="reference")
+                  beam_size=int(beam_size), max_len=int(max_len), alpha=float(alpha))
     if comer:
         config.update(name="comer", **_comer_coverage(s, int(nhead), cross_coverage, self_coverage))
 
@@ -258,9 +258,6 @@ def to_reference(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict
     ``state_dict`` under ``bttr.`` with the reference's names and stacked q|k|v projections,
     ``hyper_parameters`` as ``LitBTTR``'s constructor takes them. Only what the reference can
     build is accepted (its DenseNet has 3 blocks, a 2k-channel stem, compression 0.5, grey input)."""
-    if config.get("variant", "reference") != "reference":
-        raise TellkitError(f"only variant 'reference' has the reference's layers; this model is "
-                           f"{config.get('variant')!r} and cannot be exported")
     fixed = {"in_channels": 1, "num_blocks": 3, "stem_channels": 2 * config["growth_rate"], "compression": 0.5,
              "vocab_size": 113}
     differ = {k: config[k] for k, v in fixed.items() if config[k] != v}

@@ -9,7 +9,7 @@ The folder is also the checkpoint it was made from: its ``config.json`` (the tas
 and its recipe sections: how inputs are prepared and searched) with an ``onnx`` entry naming the
 graphs, its ``model.safetensors`` and any encoder weights it carries, copied unchanged. So
 ``tellkit recognize / caption / evaluate --model DIR`` read it as any checkpoint, and
-``--runtime onnx`` runs the graphs. Families: ``bttr`` (the reference variant) and
+``--runtime onnx`` runs the graphs. Families: ``bttr`` (not ``bttr_legacy``, tellkit 0.1's layout) and
 ``show_attend_tell`` (soft attention, with its frozen image encoder).
 
 :func:`exported` gives the ONNX folder of any checkpoint: the checkpoint itself when it is one,
@@ -34,7 +34,14 @@ from typing import Any
 import torch
 
 from tellkit._version import __version__
-from tellkit.checkpoint import CONFIG_NAME, WEIGHTS_NAME, carried_encoder_files, load_model, read_json_file
+from tellkit.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    carried_encoder_files,
+    load_model,
+    read_json_file,
+    upgrade_checkpoint_meta,
+)
 from tellkit.encoders.bundle import EncoderBundle
 from tellkit.errors import TellkitError
 from tellkit.export import onnx_graphs as graphs
@@ -57,11 +64,12 @@ def manifest(meta: dict[str, Any]) -> dict[str, Any] | None:
 
 def check_exportable(meta: dict[str, Any], where: str = "") -> None:
     family = meta.get("family")
+    if family == "bttr_legacy":
+        raise TellkitError(f"{where}: ONNX export covers BTTR in the reference's layout, "
+                           "not tellkit 0.1's own (bttr_legacy)")
     if family not in FAMILIES:
         raise TellkitError(f"{where}: ONNX export covers {', '.join(FAMILIES)}; this checkpoint holds '{family}'")
     cfg = meta.get("config") or {}
-    if family == "bttr" and cfg.get("variant", "reference") != "reference":
-        raise TellkitError(f"{where}: ONNX export covers BTTR's reference variant, not '{cfg.get('variant')}'")
     if family == "show_attend_tell" and cfg.get("attention", "soft") != "soft":
         raise TellkitError(f"{where}: ONNX export covers Show, Attend and Tell with soft attention")
 
@@ -72,6 +80,7 @@ def export_onnx(checkpoint: str | os.PathLike, out: str | os.PathLike) -> Path:
     require("onnx", "onnx", "ONNX export")
     src, out = Path(checkpoint), Path(out)
     raw = read_json_file(src / CONFIG_NAME, "checkpoint config")
+    raw = upgrade_checkpoint_meta(raw, str(src / CONFIG_NAME))  # a format-1 BTTR names its layout by a variant
     check_exportable(raw, str(src))
     model = load_model(src).float().eval()
     meta = model.checkpoint_meta  # as read_checkpoint_config gives it: carried encoder files resolved

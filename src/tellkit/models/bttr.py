@@ -11,8 +11,9 @@ What differs from the reference
   exactly the features it gets alone, so batched search equals one-by-one search.
 * Decoding keeps a key/value cache per layer (the reference recomputes every prefix) and
   runs batched over images and beams; ``use_cache=False`` gives the reference's recomputation.
-* ``variant: tellkit-0.1`` keeps the pre-activation DenseNet and block sin|cos positions of
-  checkpoints written by tellkit 0.1, so that they still load; new models use the reference's.
+
+BTTR in tellkit 0.1's own layout (pre-activation DenseNet, other positions), which checkpoints
+written by tellkit 0.1 hold, is the family ``bttr_legacy`` (:mod:`tellkit.models.bttr_legacy`).
 
 Token conventions (``tellkit.data.latex.Vocab``): ``<pad>`` = 0, ``<sos>`` = 1, ``<eos>`` = 2.
 Left-to-right: ``<sos> y1..yT`` predicts ``y1..yT <eos>``; right-to-left: ``<eos> yT..y1``
@@ -38,13 +39,10 @@ from tellkit.layers import rows
 from tellkit.layers.attention import MultiheadAttention, ProjectedKV, SharedKV, cached_length, causal_mask
 from tellkit.layers.dropout import FastDropout
 from tellkit.layers.loss import logits_loss
-from tellkit.layers.positional import SinusoidalPositions
 from tellkit.models.bttr_search import joint_search
 from tellkit.registry import register_model
 
 PAD, SOS, EOS = PAD_ID, SOS_ID, EOS_ID  # token ids (tellkit.data.latex.Vocab)
-VARIANTS = ("reference", "tellkit-0.1")
-LEGACY = "tellkit-0.1"
 _ITOS = Vocab().itos  # label ids -> tokens, for the position-forest targets
 
 
@@ -69,26 +67,13 @@ class BTTRConfig:
     beam_size: int = 10
     max_len: int = 200
     alpha: float = 1.0  # length normalisation exponent
-    # "reference": Green-Wood/BTTR's layers and positional encodings (weights port both ways);
-    # "tellkit-0.1": the pre-activation DenseNet and block sin|cos positions of checkpoints
-    # written by tellkit 0.1 (kept so that they still load)
-    variant: str = "reference"
     # beyond the BTTR and CoMER papers: PosFormer's position-forest targets (each symbol's nesting
     # layer and relative position, tellkit.data.position_forest) predicted from the decoder's last
     # hidden states by two small heads, each loss weighted by this much; 0: off (no heads). The
     # search never uses them. PosFormer's own weight is 0.25 (loss (ce + w layer + w pos) / (1 + 2w)).
     position_forest: float = 0.0
 
-    @staticmethod
-    def upgrade_checkpoint_config(config: dict, meta: dict) -> dict:
-        """Checkpoints written by tellkit 0.1 have no ``variant``: they hold the old layout."""
-        if "variant" not in config and str(meta.get("tellkit_version", "")).startswith("0.1"):
-            config["variant"] = LEGACY
-        return config
-
     def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise TellkitError(f"bttr: unknown variant {self.variant!r} (one of {', '.join(VARIANTS)})")
         if isinstance(self.position_forest, bool) or not 0 <= float(self.position_forest) < 100:
             raise TellkitError(f"bttr: position_forest is a loss weight >= 0 (0: off), got {self.position_forest!r}")
 
@@ -132,35 +117,6 @@ class Transition(nn.Module):
         return F.avg_pool2d(_masked(self.drop(F.relu(self.bn(self.conv(x)))), mask), 2, ceil_mode=True)
 
 
-class PreactBottleneck(nn.Module):
-    """``variant: tellkit-0.1`` only: BN-ReLU-1x1 conv (4k) - BN-ReLU-3x3 conv (k), dropout."""
-
-    def __init__(self, cin: int, growth: int, dropout: float):
-        super().__init__()
-        self.bn1 = nn.BatchNorm2d(cin)
-        self.conv1 = nn.Conv2d(cin, 4 * growth, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(4 * growth)
-        self.conv2 = nn.Conv2d(4 * growth, growth, 3, padding=1, bias=False)
-        self.drop = FastDropout(dropout)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        h = self.conv1(F.relu(self.bn1(x)))
-        h = self.conv2(_masked(F.relu(self.bn2(h)), mask))
-        return torch.cat([x, _masked(self.drop(h), mask)], 1)
-
-
-class PreactTransition(nn.Module):
-    """``variant: tellkit-0.1`` only: BN-ReLU-1x1 conv (compression) - 2x2 average pool."""
-
-    def __init__(self, cin: int, cout: int, dropout: float):
-        super().__init__()
-        self.bn = nn.BatchNorm2d(cin)
-        self.conv = nn.Conv2d(cin, cout, 1, bias=False)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return F.avg_pool2d(_masked(self.conv(F.relu(self.bn(x))), mask), 2, ceil_mode=True)
-
-
 def _halve(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None else mask[:, 0::2, 0::2]
 
@@ -171,12 +127,12 @@ class DenseNetB(nn.Module):
     Reference layout: 7x7/2 conv - BN - ReLU - 2x2 max-pool, three dense blocks with
     transitions between them, and after the last block a BatchNorm with no ReLU."""
 
+    layer_class, transition_class = Bottleneck, Transition
+
     def __init__(self, c: BTTRConfig):
         super().__init__()
-        legacy = c.variant == LEGACY
-        layer, trans = (PreactBottleneck, PreactTransition) if legacy else (Bottleneck, Transition)
+        layer, trans = self.layer_class, self.transition_class
         k = c.growth_rate
-        self.legacy = legacy
         self.stem = nn.Conv2d(c.in_channels, c.stem_channels, 7, stride=2, padding=3, bias=False)
         self.stem_bn = nn.BatchNorm2d(c.stem_channels)
         ch = c.stem_channels
@@ -198,8 +154,14 @@ class DenseNetB(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         # with no padding in the batch (one image, or equal sizes) nothing needs masking
         m = None if mask is None or bool(mask.all()) else mask
-        if m is None and not self.training and not self.legacy and not torch.is_grad_enabled():
+        if m is None and not self.training and not torch.is_grad_enabled():
             return self._infer(x, mask)
+        return self.run_layers(x, mask, m)
+
+    def run_layers(self, x: torch.Tensor, mask: torch.Tensor | None,
+                   m: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` layer by layer, through the last BatchNorm; ``m``: ``mask`` where the
+        batch has padding, else None (nothing to zero)."""
         x = self.stem(_masked(x, m))
         mask, m = _halve(mask), _halve(m)
         x = F.max_pool2d(_masked(F.relu(self.stem_bn(x)), m), 2, ceil_mode=True)
@@ -213,8 +175,7 @@ class DenseNetB(nn.Module):
                 mask, m = _halve(mask), _halve(m)
         if mask is None:
             mask = torch.ones(x.shape[0], x.shape[2], x.shape[3], dtype=torch.bool, device=x.device)
-        x = self.post_bn(x)
-        return (F.relu(x) if self.legacy else x), mask
+        return self.post_bn(x), mask
 
     # --- inference on unpadded batches -----------------------------------------------------
     def _infer(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,32 +288,18 @@ def image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
     return torch.cat([axis(x), axis(y)], -1)
 
 
-def _legacy_sinusoid(pos: torch.Tensor, dim: int) -> torch.Tensor:
-    freqs = 10000.0 ** (-torch.arange(0, dim, 2, device=pos.device, dtype=torch.float32) / dim)
-    ang = pos.float()[..., None] * freqs
-    return torch.cat([ang.sin(), ang.cos()], -1)
-
-
-def legacy_image_positions(mask: torch.Tensor, d_model: int) -> torch.Tensor:
-    """``variant: tellkit-0.1`` only: per axis sin block | cos block, d/4 frequencies."""
-    m = mask.float()
-    y = m.cumsum(1)
-    x = m.cumsum(2)
-    y = y / (y[:, -1:, :] + 1e-6) * 2 * math.pi
-    x = x / (x[:, :, -1:] + 1e-6) * 2 * math.pi
-    return torch.cat([_legacy_sinusoid(x, d_model // 2), _legacy_sinusoid(y, d_model // 2)], -1)
-
-
 class Encoder(nn.Module):
     """DenseNet-B -> 1x1 conv to d_model -> ReLU -> LayerNorm -> + 2-D positions, flattened."""
 
+    densenet_class = DenseNetB
+    positions = staticmethod(image_positions)  # mask [B, h, w], d -> [B, h, w, d]
+
     def __init__(self, c: BTTRConfig):
         super().__init__()
-        self.densenet = DenseNetB(c)
+        self.densenet = self.densenet_class(c)
         self.proj = nn.Conv2d(self.densenet.out_channels, c.d_model, 1)
         self.norm = nn.LayerNorm(c.d_model)
         self.d_model = c.d_model
-        self.positions = legacy_image_positions if c.variant == LEGACY else image_positions
 
     def grid_size(self, height: int, width: int) -> tuple[int, int]:
         """The feature grid (h, w) of an image of ``height`` x ``width`` pixels: every
@@ -428,7 +375,6 @@ class Decoder(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.d_model)
         self.embed_norm = nn.LayerNorm(c.d_model)
         self.d_model = c.d_model
-        self.legacy_positions = SinusoidalPositions(c.d_model) if c.variant == LEGACY else None
         self.layers = nn.ModuleList(self.layer_class(c) for _ in range(c.num_decoder_layers))
         self.out = nn.Linear(c.d_model, c.vocab_size)
         if c.position_forest:  # PosFormer's heads: d -> 128 -> ReLU -> classes
@@ -438,8 +384,7 @@ class Decoder(nn.Module):
             })
 
     def positions(self, length: int, start: int, device) -> torch.Tensor:
-        if self.legacy_positions is not None:
-            return self.legacy_positions(length, start).to(device)
+        """[length, d] encodings of the word positions start..start+length-1."""
         return word_positions(length, self.d_model, start, device)
 
     def project_memory(self, memory: torch.Tensor, memory_mask: torch.Tensor) -> list[ProjectedKV]:
@@ -527,7 +472,7 @@ def bidirectional_targets(labels: torch.Tensor, lengths: torch.Tensor) -> tuple[
 
 @register_model("bttr", BTTRConfig)
 class BTTR(nn.Module, PretrainedMixin):
-    encoder_class, decoder_class = Encoder, Decoder  # a variant (tellkit.models.comer) swaps them
+    encoder_class, decoder_class = Encoder, Decoder  # families built on BTTR (comer, bttr_legacy) swap them
     # the tensors with one row per vocabulary entry: fine-tuning on a grown vocabulary keeps
     # their old rows and adds new ones (tellkit.checkpoint.load_weights_into)
     vocabulary_rows = ("decoder.embed.weight", "decoder.out.weight", "decoder.out.bias")

@@ -66,9 +66,6 @@ class ComerConfig(BTTRConfig):
 
     def __post_init__(self):
         super().__post_init__()
-
-        if self.variant != "reference":
-            raise TellkitError(f"comer: only variant 'reference' exists (got {self.variant!r})")
         if self.dc < 1:
             raise TellkitError(f"comer: dc must be >= 1 (got {self.dc})")
 

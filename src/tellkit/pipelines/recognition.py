@@ -99,7 +99,7 @@ class RecognitionPipeline(Pipeline):
     than the checkpoint's (models trained on InkML renders)."""
 
     task = "recognize"
-    families = ("bttr", "comer")
+    families = ("bttr", "comer", "bttr_legacy")
     processor_class = RecognitionProcessor
     processor_options = ("stroke_size",)
     api_text = "latex"

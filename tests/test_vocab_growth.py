@@ -91,11 +91,11 @@ def test_a_grown_model_keeps_the_checkpoints_rows_exactly_and_says_how_many_it_a
 
 
 def test_the_packaged_default_keeps_crohmes_vocabulary_and_grows_from_it(tmp_path, capsys):
-    from tellkit.checkpoint import load_model, load_weights_into
+    from tellkit.checkpoint import load_model, load_weights_into, read_checkpoint_config
     from tellkit.cli import main
     from tellkit.registry import create_model
 
-    meta = json.loads((DEFAULT / "config.json").read_text())
+    meta = read_checkpoint_config(DEFAULT)  # its family and config in the present checkpoint format
     assert "symbols" not in (meta.get("data") or {})  # nothing stored: the default 110
     from tellkit.tasks.recognition import RecognitionProcessor
 

@@ -217,3 +217,24 @@ def test_real_crohme_extra_and_2014_read_whole(shared_data):
     # test folder (no .lg files) it reads what the inkml layout reads
     again = crohme2019.load_split(shared_data / "crohme_inkml", "2014")
     assert [(e.id, e.tokens, e.raw) for e in again] == [(e.id, e.tokens, e.raw) for e in test]
+
+
+def test_a_truth_nested_too_deeply_is_counted_unparsable_not_a_crash(tmp_path):
+    deep = "{" * 3000 + "x" + "}" * 3000
+    with pytest.raises(TellkitError, match=r"nested too deeply") as err:
+        normalize(deep)
+    assert len(str(err.value)) < 300  # one readable line, not the 6,000-character truth
+    r = tmp_path / "crohme"
+    put(r / "train" / "ok.inkml", ink("x"))
+    put(r / "train" / "deep.inkml", ink(deep))
+    skipped: dict[str, int] = {}
+    assert [e.id for e in crohme.load_split(r, "train", "inkml", skipped)] == ["ok"]
+    assert skipped == {"unparsable truth": 1}
+
+
+def test_an_unreadable_label_graph_is_skipped(c19_root):
+    (c19_root / "GT1" / "c.lg").unlink()
+    (c19_root / "GT1" / "c.lg").mkdir()  # a folder where the label graph should be: reading it fails
+    skipped: dict[str, int] = {}
+    ids = [e.id for e in crohme2019.load_split(c19_root, "Test2019", skipped)]
+    assert "c" not in ids and skipped["unusable label graph"] == 2

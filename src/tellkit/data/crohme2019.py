@@ -113,7 +113,7 @@ def load_split(root: str | os.PathLike, split: str, skipped: dict[str, int] | No
         g = graphs.get(e.id)
         try:
             truth = lg_to_latex(g.read_text(encoding="utf-8", errors="replace"), str(g)) if g else e.truth
-        except TellkitError:
+        except (TellkitError, OSError):  # a broken or unreadable label graph
             raise SkipFile("unusable label graph") from None
         if not truth:
             raise SkipFile("no label graph")

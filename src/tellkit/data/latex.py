@@ -247,6 +247,11 @@ def _merge_function_words(tokens: list[str]) -> list[str]:
     return out
 
 
+def _shown(text: str, limit: int = 120) -> str:
+    """``text`` quoted for a one-line message, cut to ``limit`` characters."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text):,} characters)"
+
+
 def normalize(text: str, strict: bool = False) -> list[str]:
     """Raw LaTeX -> list of normalised tokens. ``strict``: raise on a symbol outside the 110."""
     if _NUMBER_RE.match(text):  # the reference captions store bare numbers by value
@@ -255,12 +260,14 @@ def normalize(text: str, strict: bool = False) -> list[str]:
         em = _Emitter()
         em.seq(_tree(text))
     except ValueError as exc:
-        raise TellkitError(f"cannot parse LaTeX {text!r}: {exc}") from exc
+        raise TellkitError(f"cannot parse LaTeX {_shown(text)}: {exc}") from exc
+    except RecursionError:
+        raise TellkitError(f"cannot parse LaTeX {_shown(text)}: nested too deeply") from None
     toks = _merge_function_words(em.out)
     if strict:
         bad = [t for t in toks if t not in _SYMBOL_SET]
         if bad:
-            raise TellkitError(f"LaTeX {text!r}: symbol(s) outside the vocabulary: {' '.join(sorted(set(bad)))}")
+            raise TellkitError(f"LaTeX {_shown(text)}: symbol(s) outside the vocabulary: {' '.join(sorted(set(bad)))}")
     return toks
 
 

@@ -121,6 +121,16 @@ def test_an_unknown_variant_is_one_clear_error(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_a_config_builds_the_family_registered_with_its_class():
+    from tellkit.models.bttr_legacy import BTTRLegacyConfig
+    from tellkit.models.comer import CoMER, ComerConfig
+
+    tiny = {"d_model": 32, "nhead": 4, "growth_rate": 4, "block_depth": 2, "stem_channels": 8}
+    assert type(create_model(BTTRLegacyConfig(**tiny))) is BTTRLegacy
+    assert type(create_model(ComerConfig(**tiny))) is CoMER
+    assert type(create_model(build_config("bttr/tiny")[1])) is BTTR
+
+
 def test_cpu_recipe_trains_the_legacy_family_at_its_size():
     entry, cfg = build_config("configs/bttr/cpu.yaml")
     assert entry.name == "bttr_legacy"

@@ -82,10 +82,17 @@ def list_models() -> list[str]:
 def build_config(name_or_config: Any, **overrides: Any) -> tuple[ModelEntry, Any]:
     """Resolve anything ``create_model`` accepts into (entry, config dataclass)."""
     if dataclasses.is_dataclass(name_or_config) and not isinstance(name_or_config, type):
-        entry = next((e for e in (_MODELS.values()) if isinstance(name_or_config, e.config_cls)), None)
-        if entry is None:
+        # the family registered with exactly this config class first (CoMER's and bttr_legacy's
+        # configs subclass BTTR's: the first isinstance match would build a BTTR)
+        def find():
+            entries = list(_MODELS.values())
+            return next((e for e in entries if type(name_or_config) is e.config_cls),
+                        next((e for e in entries if isinstance(name_or_config, e.config_cls)), None))
+
+        entry = find()
+        if entry is None or entry.config_cls is not type(name_or_config):
             _import_all()
-            entry = next((e for e in _MODELS.values() if isinstance(name_or_config, e.config_cls)), None)
+            entry = find()
         if entry is None:
             raise TellkitError(f"no model registered for config {type(name_or_config).__name__}")
         cfg = dataclasses.replace(name_or_config, **overrides) if overrides else name_or_config

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from tellkit.data.news_store import NewsStore
-from tellkit.data.nytimes import attach_objects, read_archive_objects
+from tellkit.data.nytimes import attach_objects, headline_text, read_archive_objects
 from tellkit.data.sample import CaptionSample
 from tellkit.errors import TellkitError
 
@@ -125,9 +125,7 @@ def iter_goodnews_texts(root: str | os.PathLike, split: str, *, clean_captions: 
             if s == split and caption:
                 captions.append(caption)
         if captions:
-            headline = art.get("headline") or {}
-            title = (headline.get("main", "") if isinstance(headline, dict) else str(headline)) or ""
-            yield "\n\n".join(t for t in (title.strip(), (art.get("article") or "").strip()) if t), captions
+            yield "\n\n".join(t for t in (headline_text(art), (art.get("article") or "").strip()) if t), captions
 
 
 def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_dir: str | None = None,
@@ -156,8 +154,7 @@ def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_d
     split_of = {k[:-4] if k.endswith(".jpg") else k: v for k, v in (splits or {}).items()}
     out: list[CaptionSample] = []
     for aid, art in articles.items():
-        headline = art.get("headline") or {}
-        title = headline.get("main", "") if isinstance(headline, dict) else str(headline)
+        title = headline_text(art)
         article = (art.get("article") or "").strip()
         paragraphs = article.split("\n\n") if article else []
         images = (art.get("images") or {}).items()
@@ -174,7 +171,7 @@ def load_goodnews(root: str | os.PathLike, split: str | None = None, *, images_d
                 continue
             out.append(CaptionSample(
                 id=name, caption=caption, image_path=str(img_dir / f"{name}.jpg"), image_id=name,
-                article_id=str(aid), title=(title or "").strip(), paragraphs=paragraphs, image_position=None,
+                article_id=str(aid), title=title, paragraphs=paragraphs, image_position=None,
                 split=s, source="goodnews", extra={"url": art.get("article_url")} if art.get("article_url") else {},
             ))
             if limit is not None and len(out) >= limit:

@@ -56,14 +56,21 @@ def vectors(value: Any, dim: int, limit: int | None, what: str) -> np.ndarray:
     return np.ascontiguousarray(a[:limit] if limit is not None else a)
 
 
+def headline_text(article: dict[str, Any]) -> str:
+    """An article's headline (``headline.main``, or the field itself when it is not an object),
+    stripped; "" when there is none. GoodNews stores its headlines the same way."""
+    headline = article.get("headline") or {}
+    title = headline.get("main") if isinstance(headline, dict) else str(headline)
+    return (title or "").strip()
+
+
 def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike | None = None,
                          objects: dict[str, Any] | None = None, max_faces: int = MAX_FACES,
                          max_objects: int = MAX_OBJECTS) -> Iterator[CaptionSample]:
     """The article's samples; ``objects``: image hash -> object features (collection ``objects``)."""
 
     sections = article.get("parsed_section") or []
-    headline = article.get("headline") or {}
-    title = (headline.get("main") if isinstance(headline, dict) else str(headline)) or ""
+    title = headline_text(article)
     split = SPLITS.get(str(article.get("split", "")), article.get("split"))
     for pos in article.get("image_positions") or []:
         if not 0 <= pos < len(sections):
@@ -88,7 +95,7 @@ def samples_from_article(article: dict[str, Any], image_root: str | os.PathLike 
             image_path=str(Path(image_root) / f"{sec['hash']}.jpg") if image_root else None,
             image_id=str(sec["hash"]),
             article_id=str(article.get("_id")),
-            title=title.strip(),
+            title=title,
             paragraphs=paragraphs,
             image_position=image_index,
             split=split,
@@ -152,8 +159,7 @@ def article_texts(article: dict[str, Any]) -> tuple[str, list[str]]:
     """(headline + paragraphs, the captions of the article's images) of one NYTimes800k article:
     the text the rare-name counts are tagged in (captions as :func:`samples_from_article` keeps them)."""
     sections = article.get("parsed_section") or []
-    headline = article.get("headline") or {}
-    title = (headline.get("main") if isinstance(headline, dict) else str(headline)) or ""
+    title = headline_text(article)
     paragraphs = [str(s.get("text") or "").strip() for s in sections if isinstance(s, dict)
                   and s.get("type") == "paragraph"]
     captions = []
@@ -162,7 +168,7 @@ def article_texts(article: dict[str, Any]) -> tuple[str, list[str]]:
         text = str(sec.get("text") or "").strip()
         if sec.get("type") == "caption" and text and sec.get("hash"):
             captions.append(text)
-    return "\n\n".join(t for t in [title.strip(), *paragraphs] if t), captions
+    return "\n\n".join(t for t in [title, *paragraphs] if t), captions
 
 
 def iter_nytimes_texts(path: str | os.PathLike, split: str, *, db: str = "nytimes", index: bool = True,

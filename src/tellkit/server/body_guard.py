@@ -399,8 +399,7 @@ class RequestGuard:
                 # the last large body has gone: free what refused requests keep in reference cycles
                 # (an exception's traceback holds the frames that held the chunks), then give the
                 # pages back to the system
-                gc.collect()
-                release_memory()
+                _collect_and_release()
             if slot is not None:
                 slot.leave()
                 if self.idle is not None:
